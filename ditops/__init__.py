@@ -1,0 +1,41 @@
+"""ditops: fused ops for diffusion transformers, one API on NVIDIA and AMD GPUs.
+
+The ops (OPS.md) dispatch to the best backend for their inputs; ``use_backend``,
+``DITOPS_BACKEND`` and ``DITOPS_CONFIG`` / ``load_config`` override the choice and
+``explain`` says what would run and why.
+"""
+
+from .dispatch import BackendUnavailable, load_config, simulated_device, use_backend
+from .ops import (
+    Explanation,
+    add_gate_norm,
+    add_gate_norm_scale,
+    explain,
+    norm_scale_shift,
+    norm_scale_shift_select,
+    qk_norm_rope_,
+    residual_norm_scale_shift,
+    residual_norm_scale_shift_select,
+    rope_,
+)
+from .rope_cache import rope_cos_sin_cache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable",
+    "Explanation",
+    "add_gate_norm",
+    "add_gate_norm_scale",
+    "explain",
+    "load_config",
+    "norm_scale_shift",
+    "norm_scale_shift_select",
+    "qk_norm_rope_",
+    "residual_norm_scale_shift",
+    "residual_norm_scale_shift_select",
+    "rope_",
+    "rope_cos_sin_cache",
+    "simulated_device",
+    "use_backend",
+]

@@ -1,0 +1,250 @@
+"""The reference backend: the definition of every op (OPS.md) in plain PyTorch.
+
+Math runs in float32, or float64 when the activations are float64 (the tests' oracle).
+Each output is rounded once, to the activations' dtype, when it is stored. Every
+function takes the op's arguments, already validated, and optional output tensors
+(``y``, ``out``, ..., after the op's arguments): given, the results are written into them; left out, new
+tensors are returned. Shapes: x is [B, S, D] or [N, D]; q/k are [..., H, Dh].
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _store(value: Tensor, out: Optional[Tensor], like: Tensor) -> Tensor:
+    """Rounds ``value`` once to like's dtype, into ``out`` if given."""
+    if out is None:
+        return value.to(like.dtype).contiguous()
+    return out.copy_(value)
+
+
+def _broadcastable(t: Optional[Tensor], x: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+    """A modulation tensor in any form of OPS.md, as a tensor that broadcasts against x.
+
+    The forms differ from torch broadcasting in one place: a [B, D] tensor is one vector
+    per batch item, and [B, F, 1, D] is one vector per frame of S // F tokens.
+    """
+    if t is None:
+        return None
+    t = t.to(dtype)
+    hidden = x.shape[-1]
+    if t.dim() == 0 or t.shape == (1,):
+        return t.reshape(())
+    if t.dim() == 1:
+        return t
+    if t.dim() == 2:  # [B, D] or [1, D]
+        t = t.unsqueeze(1)
+    elif t.dim() == 4:  # [B, F, 1, D]
+        tokens = x.shape[-2]
+        t = t.squeeze(2).repeat_interleave(tokens // t.shape[1], dim=1)
+    return t if x.dim() == 3 else t.reshape(-1, hidden)
+
+
+def _normalize(v: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], norm: str, eps: float) -> Tensor:
+    """LayerNorm (biased variance) or RMSNorm of v over its last dimension, with optional affine."""
+    if norm == "layer":
+        mean = v.mean(-1, keepdim=True)
+        variance = (v - mean).square().mean(-1, keepdim=True)
+        n = (v - mean) * torch.rsqrt(variance + eps)
+    else:
+        n = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        n = n * weight.to(v.dtype)
+    if bias is not None:
+        n = n + bias.to(v.dtype)
+    return n
+
+
+def _modulate(n: Tensor, scale: Tensor, shift: Optional[Tensor], x: Tensor) -> Tensor:
+    """n * (1 + scale) + shift, with the modulation tensors in any form."""
+    result = n * (1 + _broadcastable(scale, x, n.dtype))
+    if shift is not None:
+        result = result + _broadcastable(shift, x, n.dtype)
+    return result
+
+
+def _gated_sum(x: Tensor, gate: Optional[Tensor], branch: Tensor, compute: torch.dtype) -> Tensor:
+    """x + gate * branch in the compute dtype; a gate of None is 1."""
+    if gate is None:
+        return x.to(compute) + branch
+    return x.to(compute) + _broadcastable(gate, branch, compute) * branch
+
+
+def norm_scale_shift(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, y=None):
+    """y = norm(x) * (1 + scale) + shift.
+
+    x: [B, S, D] or [N, D]; scale, shift: any modulation form; weight, bias: [D] or None.
+    Returns y with x's shape and dtype.
+    """
+    compute = _compute_dtype(x)
+    n = _normalize(x.to(compute), weight, bias, norm, eps)
+    return _store(_modulate(n, scale, shift, x), y, x)
+
+
+def residual_norm_scale_shift(
+    x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, y=None, residual_out=None
+):
+    """residual_out = residual + gate * x (stored in x.dtype); y = norm(residual_out) * (1 + scale) + shift.
+
+    The norm reads residual_out as stored, so y matches the residual the next block gets.
+    x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: any modulation form.
+    Returns (y, residual_out).
+    """
+    compute = _compute_dtype(x)
+    summed = _store(_gated_sum(residual, gate, x.to(compute), compute), residual_out, x)
+    n = _normalize(summed.to(compute), weight, bias, norm, eps)
+    return _store(_modulate(n, scale, shift, x), y, x), summed
+
+
+def _select(index: Tensor, set0: Tensor, set1: Tensor, dtype: torch.dtype) -> Tensor:
+    """Per token: set1[b] where index[b, s] != 0, else set0[b]. index: [B, S]; sets: [B, D] -> [B, S, D]."""
+    chosen = index.reshape(set0.shape[0], -1, 1) != 0
+    return torch.where(chosen, set1.to(dtype).unsqueeze(1), set0.to(dtype).unsqueeze(1))
+
+
+def _rows3(x: Tensor) -> Tensor:
+    return x if x.dim() == 3 else x.unsqueeze(0)
+
+
+def norm_scale_shift_select(
+    x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight=None, bias=None, eps=1e-6, y=None, gate_out=None
+):
+    """LayerNorm with per-token choice between two modulation sets (Qwen-Image-Edit).
+
+    x: [B, S, D] or [N, D] (B=1); index: [B, S] of 0/1; the six modulation tensors: [B, D].
+    y = layernorm(x) * (1 + scale_sel) + shift_sel; gate_out = gate_sel as [B, S, D].
+    Returns (y, gate_out), both in x's dtype, gate_out shaped like x.
+    """
+    compute = _compute_dtype(x)
+    v = _rows3(x).to(compute)
+    n = _normalize(v, weight, bias, "layer", eps)
+    result = n * (1 + _select(index, scale0, scale1, compute)) + _select(index, shift0, shift1, compute)
+    gate = _select(index, gate0, gate1, compute)
+    return _store(result.reshape(x.shape), y, x), _store(gate.reshape(x.shape), gate_out, x)
+
+
+def residual_norm_scale_shift_select(
+    x,
+    residual,
+    residual_gate,
+    index,
+    scale0,
+    shift0,
+    gate0,
+    scale1,
+    shift1,
+    gate1,
+    weight=None,
+    bias=None,
+    eps=1e-6,
+    y=None,
+    residual_out=None,
+    gate_out=None,
+):
+    """residual_out = residual + residual_gate * x (stored in x.dtype), then norm_scale_shift_select of it.
+
+    residual_gate: x's shape (the gate_out of the previous call). Returns (y, residual_out, gate_out).
+    """
+    compute = _compute_dtype(x)
+    summed = _store(residual.to(compute) + residual_gate.to(compute) * x.to(compute), residual_out, x)
+    y, gate_out = norm_scale_shift_select(
+        summed, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, y=y, gate_out=gate_out
+    )
+    return y, summed, gate_out
+
+
+def _activate(gate: Tensor, gate_act: Optional[str]) -> Tensor:
+    return torch.tanh(gate) if gate_act == "tanh" else gate
+
+
+def add_gate_norm(x, branch, gate, weight=None, bias=None, norm="rms", eps=1e-5, gate_act=None, out=None):
+    """out = x + act(gate) * norm(branch), act = identity or tanh (Z-Image's sandwich norm).
+
+    x, branch: [B, S, D] or [N, D]; gate: any modulation form. Returns out in x's dtype.
+    """
+    compute = _compute_dtype(x)
+    n = _normalize(branch.to(compute), weight, bias, norm, eps)
+    gate = _activate(_broadcastable(gate, x, compute), gate_act)
+    return _store(x.to(compute) + gate * n, out, x)
+
+
+def add_gate_norm_scale(
+    x,
+    branch,
+    gate,
+    scale,
+    weight=None,
+    bias=None,
+    weight2=None,
+    bias2=None,
+    norm="rms",
+    eps=1e-5,
+    gate_act=None,
+    out=None,
+    y=None,
+):
+    """out = add_gate_norm(x, branch, gate) (stored in x.dtype); y = norm2(out) * (1 + scale).
+
+    norm2 uses weight2/bias2 and reads out as stored. Returns (out, y).
+    """
+    compute = _compute_dtype(x)
+    summed = add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, out=out)
+    n = _normalize(summed.to(compute), weight2, bias2, norm, eps)
+    return summed, _store(_modulate(n, scale, None, x), y, x)
+
+
+def _rope_angles(q: Tensor, cos_sin_cache: Tensor, positions: Optional[Tensor], position_offset: int, dtype):
+    """cos and sin for each token of q, shaped [..., 1, R/2] to broadcast over heads."""
+    if positions is None:
+        tokens = q.shape[-3]
+        positions = torch.arange(position_offset, position_offset + tokens, device=q.device)
+    rows = cos_sin_cache.to(dtype)[positions.long()]  # [..., R]
+    cos, sin = rows.chunk(2, dim=-1)
+    return cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+
+def _rotate(v: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """RoPE on the first R = 2 * cos.shape[-1] dims of v; the rest is returned unchanged."""
+    rotary_dim = 2 * cos.shape[-1]
+    rotary, rest = v[..., :rotary_dim], v[..., rotary_dim:]
+    if interleaved:  # pairs (2j, 2j+1)
+        first, second = rotary[..., 0::2], rotary[..., 1::2]
+        rotated = torch.stack((first * cos - second * sin, second * cos + first * sin), dim=-1).flatten(-2)
+    else:  # NeoX: pairs (j, j + R/2)
+        first, second = rotary.chunk(2, dim=-1)
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return torch.cat((rotated, rest), dim=-1)
+
+
+def qk_norm_rope_(
+    q, k, q_weight, k_weight, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, eps=1e-6, position_offset=0
+):
+    """In place: per token and head, RMSNorm over Dh (weights [Dh]), then RoPE on the first R dims.
+
+    q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: same leading dims, Hk heads; cos_sin_cache: [P, R]
+    (R/2 cos then R/2 sin columns); positions: q's leading shape, or None for
+    position_offset + token index. No rounding between norm and RoPE. Returns (q, k).
+    """
+    compute = _compute_dtype(q)
+    cos, sin = _rope_angles(q, cos_sin_cache, positions, position_offset, compute)
+    for t, weight in ((q, q_weight), (k, k_weight)):
+        v = _normalize(t.to(compute), weight, None, "rms", eps)
+        t.copy_(_rotate(v, cos, sin, interleaved))
+    return q, k
+
+
+def rope_(q, k, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, position_offset=0):
+    """In place: RoPE on the first R dims of every head of q and k (k may be None). Returns (q, k)."""
+    compute = _compute_dtype(q)
+    cos, sin = _rope_angles(q, cos_sin_cache, positions, position_offset, compute)
+    for t in (q, k) if k is not None else (q,):
+        t.copy_(_rotate(t.to(compute), cos, sin, interleaved))
+    return q, k

@@ -1,0 +1,105 @@
+"""What device a tensor lives on, as the registry's constraints see it: vendor and arch.
+
+NVIDIA is recognised from ``torch.version.cuda`` and the compute capability, AMD from
+``torch.version.hip`` and ``gcnArchName`` (ROCm builds of torch expose AMD GPUs as
+``torch.cuda``). For tests and ``ditops explain --device``, a device can be simulated:
+inside ``simulated_device("sm_90")`` every tensor is seen as living on that GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    vendor: str  # "cuda" (NVIDIA), "rocm" (AMD) or "cpu"
+    arch: str  # "sm_90", "gfx942" or "cpu"
+    name: str = ""
+    simulated: bool = False
+
+    @property
+    def sm(self) -> Optional[int]:
+        """The compute capability as one number (90 for sm_90), None off NVIDIA."""
+        return int(self.arch[3:]) if self.vendor == "cuda" else None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.vendor != "cpu"
+
+    @property
+    def warp_size(self) -> int:
+        return 64 if self.vendor == "rocm" else 32
+
+    def __str__(self) -> str:
+        label = f"{self.vendor} {self.arch}" if self.is_gpu else "cpu"
+        if self.name:
+            label += f" ({self.name})"
+        return label + (" [simulated]" if self.simulated else "")
+
+
+CPU = DeviceInfo("cpu", "cpu")
+
+
+def parse_arch(arch: str) -> DeviceInfo:
+    """``"sm_90"`` / ``"sm90"`` -> NVIDIA, ``"gfx942"`` -> AMD, ``"cpu"`` -> CPU."""
+    text = arch.strip().lower()
+    if text == "cpu":
+        return CPU
+    nvidia = re.fullmatch(r"sm_?(\d+)a?", text)
+    if nvidia:
+        return DeviceInfo("cuda", f"sm_{nvidia.group(1)}", simulated=True)
+    if re.fullmatch(r"gfx[0-9a-f]+", text):
+        return DeviceInfo("rocm", text, simulated=True)
+    raise ValueError(f"device arch {arch!r} is not one of sm_XY (NVIDIA), gfxNNN (AMD) or cpu")
+
+
+_detected: dict = {}
+
+
+def _detect_gpu(index: int) -> DeviceInfo:
+    properties = torch.cuda.get_device_properties(index)
+    if torch.version.hip:
+        return DeviceInfo("rocm", properties.gcnArchName.split(":")[0], properties.name)
+    return DeviceInfo("cuda", f"sm_{properties.major}{properties.minor}", properties.name)
+
+
+class _Simulation(threading.local):
+    device: Optional[DeviceInfo] = None
+
+
+_simulation = _Simulation()
+
+
+def device_of(index: int) -> DeviceInfo:
+    """The device behind ``tensor.get_device()`` (-1 for CPU), or the simulated one."""
+    simulated = _simulation.device
+    if simulated is not None:
+        return simulated
+    info = _detected.get(index)
+    if info is None:
+        info = CPU if index < 0 else _detect_gpu(index)
+        _detected[index] = info
+    return info
+
+
+def current_device() -> DeviceInfo:
+    """The device a new tensor would go to by default: the current GPU if any, else the CPU."""
+    return device_of(torch.cuda.current_device() if torch.cuda.is_available() else -1)
+
+
+@contextlib.contextmanager
+def simulated_device(arch: str) -> Iterator[DeviceInfo]:
+    """Dispatch as if every tensor were on ``arch`` (e.g. "sm_90", "gfx942"); for tests and explain."""
+    previous = _simulation.device
+    _simulation.device = parse_arch(arch)
+    try:
+        yield _simulation.device
+    finally:
+        _simulation.device = previous

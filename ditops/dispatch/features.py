@@ -1,0 +1,78 @@
+"""The facts about one call that implementations' constraints may read.
+
+A ``Features`` tuple is both what the constraints check and the key of the selection
+cache, so a constraint can only read what the cache key holds.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .device import DeviceInfo, device_of
+
+MAX_ALIGNMENT = 16  # bytes: the widest vector load any kernel uses
+
+
+class Features(NamedTuple):
+    device: DeviceInfo
+    dtype: torch.dtype  # of the activations (x, residual, q, k)
+    param_dtypes: tuple  # of the other tensors (modulation, weight, bias, cache), in argument order
+    alignment: int  # largest power of two <= 16 dividing every data pointer and stride in bytes
+    unit_stride: bool  # every tensor's last dimension has stride 1
+    requires_grad: bool
+    hidden_size: int  # D of the norm ops, 0 for the RoPE ops
+    head_size: int  # Dh of the RoPE ops, 0 for the norm ops
+    rotary_dim: int  # R of the RoPE ops, 0 for the norm ops
+    norm: str  # "layer", "rms", or "" for the RoPE ops
+    modulation: tuple  # forms of the modulation tensors in argument order (validation.modulation)
+    interleaved: bool
+
+
+def describe(
+    activations: tuple,
+    params: tuple,
+    *,
+    hidden_size: int = 0,
+    head_size: int = 0,
+    rotary_dim: int = 0,
+    norm: str = "",
+    modulation: tuple = (),
+    interleaved: bool = False,
+) -> Features:
+    """Features of a call; ``params`` may hold None for absent optional tensors."""
+    address_bits = 0
+    unit_stride = True
+    requires_grad = False
+    param_dtypes = []
+    for group in (activations, params):
+        for t in group:
+            if t is None:
+                continue
+            element_size = t.element_size()
+            address_bits |= t.data_ptr()
+            strides = t.stride()
+            for stride in strides[:-1]:
+                address_bits |= stride * element_size
+            if strides and strides[-1] != 1 and t.shape[-1] > 1:
+                unit_stride = False
+            requires_grad = requires_grad or t.requires_grad
+            if group is params:
+                param_dtypes.append(t.dtype)
+    alignment = min(address_bits & -address_bits, MAX_ALIGNMENT) if address_bits else MAX_ALIGNMENT
+    first = activations[0]
+    return Features(
+        device_of(first.get_device()),
+        first.dtype,
+        tuple(param_dtypes),
+        alignment,
+        unit_stride,
+        requires_grad and torch.is_grad_enabled(),
+        hidden_size,
+        head_size,
+        rotary_dim,
+        norm,
+        modulation,
+        interleaved,
+    )

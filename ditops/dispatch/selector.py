@@ -1,0 +1,213 @@
+"""Choosing an implementation for a call, and the user's overrides.
+
+Overrides, strongest first: the ``backend=`` argument of a call; ``use_backend(...)``
+(scoped, thread-local, innermost first); the ``DITOPS_BACKEND`` environment variable
+(``triton`` or ``rope=cuda,norm_scale_shift=reference``). Each of them forces a backend:
+if it cannot take the input, ``BackendUnavailable`` lists every candidate and why it
+refused; nothing falls back silently. Without an override, the first implementation of
+the registry (after user YAML) that accepts is taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Iterator, NamedTuple, Optional
+
+from .features import Features
+from .registry import BUILTIN_REGISTRY, OPS, Implementation, Registry, op_name
+
+logger = logging.getLogger("ditops")
+
+ALL_OPS = "*"
+
+
+class BackendUnavailable(RuntimeError):
+    """No implementation may run this call (a forced backend refused it, or every one refused)."""
+
+
+class Candidate(NamedTuple):
+    backend: str
+    refusal: Optional[str]  # None when it accepts
+
+
+class _Dispatcher:
+    """The registry after user config, the environment's overrides and the selection cache."""
+
+    def __init__(self) -> None:
+        self.user_configs: list = []
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-reads the registry, DITOPS_CONFIG, the user configs and DITOPS_BACKEND; clears the cache."""
+        registry = Registry()
+        registry.load(BUILTIN_REGISTRY)
+        env_config = os.environ.get("DITOPS_CONFIG")
+        for path in ([env_config] if env_config else []) + self.user_configs:
+            registry.load(path)
+        self.registry = registry
+        self.implementations = {op: registry.implementations(op) for op in OPS}
+        self.env_forced = parse_backend_setting(os.environ.get("DITOPS_BACKEND", ""), "DITOPS_BACKEND")
+        self.cache: dict = {}
+        self.warned: set = set()
+
+
+def parse_backend_setting(text: str, where: str) -> dict:
+    """``"triton"`` -> {"*": "triton"}; ``"rope=cuda,norm_scale_shift=reference"`` -> per op."""
+    forced = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        op, _, backend = item.rpartition("=")
+        if not backend:
+            raise ValueError(f"{where}: {item!r} is not 'backend' or 'op=backend'")
+        forced[op_name(op) if op else ALL_OPS] = backend
+    return forced
+
+
+_dispatcher: Optional[_Dispatcher] = None
+
+
+def dispatcher() -> _Dispatcher:
+    global _dispatcher
+    if _dispatcher is None:
+        _dispatcher = _Dispatcher()
+    return _dispatcher
+
+
+def load_config(path) -> None:
+    """Merges a user YAML (format: ditops.dispatch.registry) over the registry, after DITOPS_CONFIG."""
+    state = dispatcher()
+    state.user_configs.append(str(path))
+    try:
+        state.reload()
+    except Exception:
+        state.user_configs.pop()
+        state.reload()
+        raise
+
+
+def reset() -> None:
+    """Forgets configs given to ``load_config`` and re-reads the environment."""
+    state = dispatcher()
+    state.user_configs.clear()
+    state.reload()
+
+
+class _Scopes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+_scopes = _Scopes()
+
+
+@contextlib.contextmanager
+def use_backend(backend: Optional[str] = None, **per_op: str) -> Iterator[None]:
+    """Force a backend inside a ``with`` block (this thread only).
+
+    ``use_backend("triton")`` forces it for every op; ``use_backend(rope="cuda")`` for one op;
+    both forms combine. An inner block overrides an outer one.
+    """
+    scope = {op_name(op): name for op, name in per_op.items()}
+    if backend is not None:
+        scope[ALL_OPS] = backend
+    _scopes.stack.append(scope)
+    try:
+        yield
+    finally:
+        _scopes.stack.pop()
+
+
+def forced_backend(op: str, backend: Optional[str]) -> tuple:
+    """(backend name or None, what forced it)."""
+    if backend is not None:
+        return backend, "the backend= argument"
+    for scope in reversed(_scopes.stack):
+        name = scope.get(op) or scope.get(ALL_OPS)
+        if name:
+            return name, "use_backend()"
+    env = dispatcher().env_forced
+    name = env.get(op) or env.get(ALL_OPS)
+    return (name, "DITOPS_BACKEND") if name else (None, "")
+
+
+def candidates(op: str, features: Features) -> list:
+    """Every enabled implementation of ``op``, best first, with why it refuses (None: accepts)."""
+    return [Candidate(impl.name, impl.refusal(features)) for impl in dispatcher().implementations[op]]
+
+
+def select(op: str, features: Features, backend: Optional[str] = None) -> Implementation:
+    """The implementation that runs a call with these features (cached per features and override)."""
+    state = _dispatcher or dispatcher()
+    overridden = backend is not None or _scopes.stack or state.env_forced
+    forced = forced_backend(op, backend)[0] if overridden else None
+    key = (op, forced, features)
+    implementation = state.cache.get(key)
+    if implementation is None:
+        implementation = _choose(state, op, features, backend)
+        state.cache[key] = implementation
+    return implementation
+
+
+def _choose(state: _Dispatcher, op: str, features: Features, backend: Optional[str]) -> Implementation:
+    forced, forced_by = forced_backend(op, backend)
+    refusals = []
+    for implementation in state.implementations[op]:
+        reason = implementation.refusal(features)
+        if forced and implementation.name != forced:
+            refusals.append(Candidate(implementation.name, reason or f"not forced ({forced} is); it would accept"))
+            continue
+        if reason is None:
+            _log_fallback(state, op, implementation, features, refusals)
+            return implementation
+        refusals.append(Candidate(implementation.name, reason))
+    if forced and forced not in state.registry.backends:
+        headline = f"backend {forced!r} (forced by {forced_by}) does not exist; known: {', '.join(state.registry.backends)}"
+    elif forced:
+        headline = f"backend {forced!r} (forced by {forced_by}) cannot run this call"
+        if all(c.backend != forced for c in refusals):
+            headline = f"backend {forced!r} (forced by {forced_by}) has no enabled implementation of {op}"
+    else:
+        headline = "no enabled implementation accepts this call"
+    raise BackendUnavailable(f"ditops.{op}: {headline}\n{format_table(features, refusals)}")
+
+
+def format_table(features: Features, rows: list) -> str:
+    lines = [f"  input: {describe_features(features)}"]
+    width = max((len(row.backend) for row in rows), default=0)
+    for row in rows:
+        verdict = "accepts" if row.refusal is None else f"refused: {row.refusal}"
+        lines.append(f"  {row.backend:<{width}}  {verdict}")
+    return "\n".join(lines)
+
+
+def describe_features(f: Features) -> str:
+    parts = [f"{str(f.dtype).removeprefix('torch.')} on {f.device}"]
+    if f.hidden_size:
+        parts.append(f"D={f.hidden_size}, norm={f.norm}")
+    if f.head_size:
+        parts.append(f"Dh={f.head_size}, R={f.rotary_dim}, {'interleaved' if f.interleaved else 'neox'}")
+    if f.modulation:
+        parts.append("modulation " + "/".join(f.modulation))
+    if f.param_dtypes:
+        parts.append("params " + "/".join(sorted({str(d).removeprefix("torch.") for d in f.param_dtypes})))
+    parts.append(f"{f.alignment}-byte aligned")
+    if not f.unit_stride:
+        parts.append("last-dim stride != 1")
+    if f.requires_grad:
+        parts.append("requires grad")
+    return ", ".join(parts)
+
+
+def _log_fallback(state: _Dispatcher, op: str, implementation: Implementation, features: Features, refusals: list) -> None:
+    """One WARNING per (op, backend, reasons) when a GPU call lands on the reference."""
+    if implementation.name != "reference" or not features.device.is_gpu:
+        return
+    reasons = "; ".join(f"{c.backend}: {c.refusal}" for c in refusals) or "no kernel backend is registered for it"
+    key = (op, implementation.name, reasons)
+    if key in state.warned:
+        return
+    state.warned.add(key)
+    level = logging.INFO if features.requires_grad else logging.WARNING
+    logger.log(level, "ditops.%s runs on the slow reference backend on %s (%s)", op, features.device, reasons)

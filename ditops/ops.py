@@ -1,0 +1,480 @@
+"""The public ops (OPS.md): validate -> allocate outputs -> dispatch -> call.
+
+Each op is an ``Op``: a check (validation, then the call's dispatch features), an
+output allocator, and a torch.library registration. In eager mode a call runs
+``Op.run`` directly, which costs a few microseconds; under torch.compile the public
+functions call the registered op instead, whose fake implementation is the same check
+and allocator, so the compiled graph keeps each op as one node.
+
+Backends are called as ``function(*op_arguments, *outputs)``: the op's arguments in the
+order of its signature, then the new output tensors to write (none for in-place ops).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import validation as check
+from .dispatch import Features, describe, select
+from .dispatch.selector import candidates, format_table
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def _new(x: Tensor) -> Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    check: Callable  # (*arguments, describe_call=True) -> Features, or None for an empty input
+    outputs: Callable  # (*arguments) -> tuple of new tensors for the backend to fill
+    schema: str  # torch.library schema; its last argument is the backend override
+    mutates: tuple = ()
+
+    def run(self, arguments: tuple, backend: Optional[str]) -> tuple:
+        """The eager path: what the registered op does too."""
+        features = self.check(*arguments)
+        outputs = self.outputs(*arguments)
+        if features is not None:
+            select(self.name, features, backend).function(*arguments, *outputs)
+        return outputs
+
+    def __call__(self, arguments: tuple, backend: Optional[str]) -> tuple:
+        if _is_compiling():
+            result = getattr(torch.ops.ditops, self.name)(*arguments, backend)
+            return (result,) if isinstance(result, Tensor) else tuple(result or ())
+        return self.run(arguments, backend)
+
+    def register(self) -> None:
+        def fake(*arguments):
+            self.check(*arguments[:-1], describe_call=False)
+            outputs = self.outputs(*arguments[:-1])
+            return outputs[0] if len(outputs) == 1 else (outputs or None)
+
+        def real(*arguments):
+            outputs = self.run(arguments[:-1], arguments[-1])
+            return outputs[0] if len(outputs) == 1 else (outputs or None)
+
+        library_op = torch.library.custom_op(
+            f"ditops::{self.name}", real, mutates_args=self.mutates, schema=self.schema
+        )
+        library_op.register_fake(fake)
+
+
+# Checks: validation (raises ValueError), then the features the dispatcher reads.
+
+
+def _norm_arguments(op, shape, device, weight, bias, norm, eps):
+    check.affine(op, "weight", weight, shape.hidden, device)
+    check.affine(op, "bias", bias, shape.hidden, device)
+    check.norm_kind(op, norm, bias)
+    check.eps(op, eps)
+
+
+def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_call=True) -> Optional[Features]:
+    op = "norm_scale_shift"
+    check.tensor(op, "x", x)
+    device = x.get_device()
+    shape = check.rows(op, "x", x)
+    forms = (check.modulation(op, "scale", scale, shape, device), check.modulation(op, "shift", shift, shape, device))
+    _norm_arguments(op, shape, device, weight, bias, norm, eps)
+    if describe_call and x.numel():
+        return describe((x,), (scale, shift, weight, bias), hidden_size=shape.hidden, norm=norm, modulation=forms)
+
+
+def _check_residual_norm_scale_shift(
+    x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call=True
+) -> Optional[Features]:
+    op = "residual_norm_scale_shift"
+    device = check.activation_pair(op, "x", x, "residual", residual)
+    shape = check.rows(op, "x", x)
+    forms = tuple(
+        check.modulation(op, name, t, shape, device)
+        for name, t in (("gate", gate), ("scale", scale), ("shift", shift))
+        if t is not None or name != "gate"
+    )
+    _norm_arguments(op, shape, device, weight, bias, norm, eps)
+    if describe_call and x.numel():
+        return describe(
+            (x, residual), (gate, scale, shift, weight, bias), hidden_size=shape.hidden, norm=norm, modulation=forms
+        )
+
+
+def _select_arguments(op, x, index, modulation, weight, bias, eps):
+    """Checks shared by the select ops; ``modulation`` maps the six names to tensors."""
+    device = x.get_device()
+    shape = check.rows(op, "x", x)
+    check.selection_index(op, index, shape, device)
+    for name, t in modulation.items():
+        check.per_batch(op, name, t, shape, device)
+    _norm_arguments(op, shape, device, weight, bias, "layer", eps)
+    return shape
+
+
+def _check_norm_scale_shift_select(
+    x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
+) -> Optional[Features]:
+    op = "norm_scale_shift_select"
+    check.tensor(op, "x", x)
+    modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
+    shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
+    if describe_call and x.numel():
+        return describe(
+            (x,), (*modulation.values(), weight, bias), hidden_size=shape.hidden, norm="layer", modulation=("batch",) * 6
+        )
+
+
+def _check_residual_norm_scale_shift_select(
+    x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
+) -> Optional[Features]:
+    op = "residual_norm_scale_shift_select"
+    check.activation_pair(op, "x", x, "residual", residual)
+    check.tensor(op, "residual_gate", residual_gate, check.ACTIVATION_DTYPES, x.get_device())
+    check.same_shape(op, "residual_gate", residual_gate, "x", x)
+    modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
+    shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
+    if describe_call and x.numel():
+        return describe(
+            (x, residual),
+            (residual_gate, *modulation.values(), weight, bias),
+            hidden_size=shape.hidden,
+            norm="layer",
+            modulation=("token",) + ("batch",) * 6,
+        )
+
+
+def _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act):
+    device = check.activation_pair(op, "x", x, "branch", branch)
+    shape = check.rows(op, "x", x)
+    form = check.modulation(op, "gate", gate, shape, device)
+    _norm_arguments(op, shape, device, weight, bias, norm, eps)
+    check.choice(op, "gate_act", gate_act, check.GATE_ACTIVATIONS)
+    return shape, device, form
+
+
+def _check_add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, describe_call=True) -> Optional[Features]:
+    op = "add_gate_norm"
+    shape, _, form = _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act)
+    if describe_call and x.numel():
+        return describe((x, branch), (gate, weight, bias), hidden_size=shape.hidden, norm=norm, modulation=(form,))
+
+
+def _check_add_gate_norm_scale(
+    x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, describe_call=True
+) -> Optional[Features]:
+    op = "add_gate_norm_scale"
+    shape, device, form = _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act)
+    scale_form = check.modulation(op, "scale", scale, shape, device)
+    check.affine(op, "weight2", weight2, shape.hidden, device)
+    check.affine(op, "bias2", bias2, shape.hidden, device)
+    if norm == "rms" and bias2 is not None:
+        check.fail(op, "bias2", "is a tensor with norm='rms'", "None (RMSNorm has no bias)")
+    if describe_call and x.numel():
+        return describe(
+            (x, branch),
+            (gate, scale, weight, bias, weight2, bias2),
+            hidden_size=shape.hidden,
+            norm=norm,
+            modulation=(form, scale_form),
+        )
+
+
+def _check_qk_norm_rope(
+    q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset, describe_call=True
+) -> Optional[Features]:
+    op = "qk_norm_rope_"
+    if k is None:
+        check.fail(op, "k", "is None", "a tensor (only rope_ takes k=None)")
+    heads = check.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, describe_call)
+    device = q.get_device()
+    check.affine(op, "q_weight", q_weight, heads.head_size, device)
+    check.affine(op, "k_weight", k_weight, heads.head_size, device)
+    check.eps(op, eps)
+    if describe_call and q.numel():
+        return describe(
+            (q, k),
+            (q_weight, k_weight, cos_sin_cache),
+            head_size=heads.head_size,
+            rotary_dim=heads.rotary_dim,
+            interleaved=interleaved,
+        )
+
+
+def _check_rope(
+    q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, describe_call=True
+) -> Optional[Features]:
+    heads = check.heads("rope_", q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, describe_call)
+    if describe_call and q.numel():
+        return describe(
+            (q, k) if k is not None else (q,),
+            (cos_sin_cache,),
+            head_size=heads.head_size,
+            rotary_dim=heads.rotary_dim,
+            interleaved=interleaved,
+        )
+
+
+def _one_like_x(x, *_):
+    return (_new(x),)
+
+
+def _two_like_x(x, *_):
+    return (_new(x), _new(x))
+
+
+def _three_like_x(x, *_):
+    return (_new(x), _new(x), _new(x))
+
+
+def _in_place(*_):
+    return ()
+
+
+_NORM = "Tensor? weight, Tensor? bias, str norm, float eps"
+_SELECT = "Tensor scale0, Tensor shift0, Tensor gate0, Tensor scale1, Tensor shift1, Tensor gate1, Tensor? weight, Tensor? bias, float eps"
+_ROPE = "Tensor cos_sin_cache, Tensor? positions, bool interleaved, SymInt? rotary_dim"
+
+OPS = {
+    op.name: op
+    for op in (
+        Op(
+            "norm_scale_shift",
+            _check_norm_scale_shift,
+            _one_like_x,
+            f"(Tensor x, Tensor scale, Tensor shift, {_NORM}, str? backend) -> Tensor",
+        ),
+        Op(
+            "residual_norm_scale_shift",
+            _check_residual_norm_scale_shift,
+            _two_like_x,
+            f"(Tensor x, Tensor residual, Tensor? gate, Tensor scale, Tensor shift, {_NORM}, str? backend) -> (Tensor, Tensor)",
+        ),
+        Op(
+            "norm_scale_shift_select",
+            _check_norm_scale_shift_select,
+            _two_like_x,
+            f"(Tensor x, Tensor index, {_SELECT}, str? backend) -> (Tensor, Tensor)",
+        ),
+        Op(
+            "residual_norm_scale_shift_select",
+            _check_residual_norm_scale_shift_select,
+            _three_like_x,
+            f"(Tensor x, Tensor residual, Tensor residual_gate, Tensor index, {_SELECT}, str? backend) -> (Tensor, Tensor, Tensor)",
+        ),
+        Op(
+            "add_gate_norm",
+            _check_add_gate_norm,
+            _one_like_x,
+            f"(Tensor x, Tensor branch, Tensor gate, {_NORM}, str? gate_act, str? backend) -> Tensor",
+        ),
+        Op(
+            "add_gate_norm_scale",
+            _check_add_gate_norm_scale,
+            _two_like_x,
+            "(Tensor x, Tensor branch, Tensor gate, Tensor scale, Tensor? weight, Tensor? bias, Tensor? weight2, "
+            "Tensor? bias2, str norm, float eps, str? gate_act, str? backend) -> (Tensor, Tensor)",
+        ),
+        Op(
+            "qk_norm_rope_",
+            _check_qk_norm_rope,
+            _in_place,
+            f"(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, {_ROPE}, float eps, SymInt position_offset, "
+            "str? backend) -> ()",
+            mutates=("q", "k"),
+        ),
+        Op(
+            "rope_",
+            _check_rope,
+            _in_place,
+            f"(Tensor(a!) q, Tensor(b!)? k, {_ROPE}, SymInt position_offset, str? backend) -> ()",
+            mutates=("q", "k"),
+        ),
+    )
+}
+
+for _op in OPS.values():
+    _op.register()
+
+
+# The public functions. ``backend=`` forces a backend for this call (see ditops.use_backend).
+
+
+def norm_scale_shift(x, scale, shift, *, weight=None, bias=None, norm="layer", eps=1e-6, backend=None) -> Tensor:
+    """``y = norm(x) * (1 + scale) + shift``.
+
+    x: [B, S, D] or [N, D]; scale, shift: a modulation form of OPS.md ([], [D], [B, D],
+    [B, S, D], [B, F, 1, D], ...); weight, bias: [D] or None; norm: "layer" or "rms".
+    Returns a new y shaped and typed like x.
+    """
+    return OPS["norm_scale_shift"]((x, scale, shift, weight, bias, norm, eps), backend)[0]
+
+
+def residual_norm_scale_shift(
+    x, residual, gate, scale, shift, *, weight=None, bias=None, norm="layer", eps=1e-6, backend=None
+) -> tuple:
+    """``residual_out = residual + gate * x`` (stored in x.dtype), ``y = norm(residual_out) * (1 + scale) + shift``.
+
+    x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: modulation forms.
+    Returns (y, residual_out).
+    """
+    return OPS["residual_norm_scale_shift"]((x, residual, gate, scale, shift, weight, bias, norm, eps), backend)
+
+
+def norm_scale_shift_select(
+    x, index, scale0, shift0, gate0, scale1, shift1, gate1, *, weight=None, bias=None, eps=1e-6, backend=None
+) -> tuple:
+    """LayerNorm with a per-token choice of modulation: set 1 where index != 0, else set 0.
+
+    x: [B, S, D]; index: [B, S] integer; the six modulation tensors: [B, D].
+    Returns (y, gate_out), gate_out being the selected gate as a [B, S, D] tensor.
+    """
+    arguments = (x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps)
+    return OPS["norm_scale_shift_select"](arguments, backend)
+
+
+def residual_norm_scale_shift_select(
+    x,
+    residual,
+    residual_gate,
+    index,
+    scale0,
+    shift0,
+    gate0,
+    scale1,
+    shift1,
+    gate1,
+    *,
+    weight=None,
+    bias=None,
+    eps=1e-6,
+    backend=None,
+) -> tuple:
+    """``residual_out = residual + residual_gate * x``, then ``norm_scale_shift_select`` of it.
+
+    residual_gate: [B, S, D] (the gate_out of the previous call). Returns (y, residual_out, gate_out).
+    """
+    arguments = (x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps)
+    return OPS["residual_norm_scale_shift_select"](arguments, backend)
+
+
+def add_gate_norm(x, branch, gate, *, weight=None, bias=None, norm="rms", eps=1e-5, gate_act=None, backend=None) -> Tensor:
+    """``out = x + act(gate) * norm(branch)``, act = identity or tanh (``gate_act="tanh"``).
+
+    x, branch: [B, S, D] or [N, D]; gate: a modulation form. Returns out, typed like x.
+    """
+    return OPS["add_gate_norm"]((x, branch, gate, weight, bias, norm, eps, gate_act), backend)[0]
+
+
+def add_gate_norm_scale(
+    x,
+    branch,
+    gate,
+    scale,
+    *,
+    weight=None,
+    bias=None,
+    weight2=None,
+    bias2=None,
+    norm="rms",
+    eps=1e-5,
+    gate_act=None,
+    backend=None,
+) -> tuple:
+    """``out = x + act(gate) * norm(branch)`` (stored in x.dtype), then ``y = norm2(out) * (1 + scale)``.
+
+    norm2 uses weight2/bias2. Returns (out, y).
+    """
+    arguments = (x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act)
+    return OPS["add_gate_norm_scale"](arguments, backend)
+
+
+def qk_norm_rope_(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos_sin_cache,
+    positions=None,
+    *,
+    interleaved=True,
+    rotary_dim=None,
+    eps=1e-6,
+    position_offset=0,
+    backend=None,
+) -> tuple:
+    """In place: per token and head, RMSNorm over Dh, then RoPE on the first R dims.
+
+    q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: the same leading dims with Hk heads; q_weight,
+    k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns); positions:
+    q's leading shape, or None for ``position_offset + token index``. Returns (q, k).
+    """
+    arguments = (q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset)
+    OPS["qk_norm_rope_"](arguments, backend)
+    return q, k
+
+
+def rope_(
+    q, k, cos_sin_cache, positions=None, *, interleaved=True, rotary_dim=None, position_offset=0, backend=None
+) -> tuple:
+    """In place: RoPE on the first R dims of every head of q and k (k may be None). Returns (q, k).
+
+    Shapes as in ``qk_norm_rope_``; ``interleaved=False`` is the NeoX layout.
+    """
+    OPS["rope_"]((q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset), backend)
+    return q, k
+
+
+PUBLIC = {
+    function.__name__: function
+    for function in (
+        norm_scale_shift,
+        residual_norm_scale_shift,
+        norm_scale_shift_select,
+        residual_norm_scale_shift_select,
+        add_gate_norm,
+        add_gate_norm_scale,
+        qk_norm_rope_,
+        rope_,
+    )
+}
+
+
+def explain(op: str, *args, **kwargs) -> "Explanation":
+    """Which implementation ``ditops.<op>(*args, **kwargs)`` would run, and why each other one refused."""
+    public = PUBLIC[op]
+    bound = inspect.signature(public).bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    backend = arguments.pop("backend")
+    features = OPS[op].check(*arguments.values())
+    if features is None:
+        return Explanation(op, None, [], None, "empty input: no kernel runs")
+    rows = candidates(op, features)
+    try:
+        chosen = select(op, features, backend).name
+        error = None
+    except Exception as failure:
+        chosen, error = None, str(failure)
+    return Explanation(op, features, rows, chosen, error)
+
+
+@dataclass
+class Explanation:
+    op: str
+    features: Optional[Features]
+    candidates: list
+    selected: Optional[str]
+    error: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self.features is None:
+            return f"ditops.{self.op}: {self.error}"
+        head = f"ditops.{self.op} -> {self.selected}" if self.selected else f"ditops.{self.op}: {self.error}"
+        return head + "\n" + format_table(self.features, self.candidates)

@@ -1,0 +1,234 @@
+"""Input validation shared by every backend (OPS.md, "General rules").
+
+Every public op validates its arguments here before anything is allocated or written.
+A bad argument raises ``ValueError`` naming the op, the argument, what it got and what
+it wanted. The functions return the sizes the op needs, so that nobody re-derives them.
+
+This runs on every eager call, so the checks read each tensor attribute once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""float64 is accepted so that the reference can serve as the float64 oracle; kernels refuse it."""
+
+NORMS = ("layer", "rms")
+GATE_ACTIVATIONS = (None, "tanh")
+MAX_HEAD_SIZE = 512
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shape(t) -> str:
+    return str(list(t.shape))
+
+
+def fail(op: str, argument: str, got: str, wanted: str):
+    raise ValueError(f"{op}: {argument} {got}; wanted {wanted}")
+
+
+def tensor(op: str, name: str, t, dtypes=ACTIVATION_DTYPES, device: Optional[int] = None) -> None:
+    """``t`` is a tensor of one of ``dtypes`` on the device whose ``get_device()`` is ``device``."""
+    if not isinstance(t, torch.Tensor):
+        fail(op, name, f"is a {type(t).__name__}", "a torch.Tensor")
+    if t.dtype not in dtypes:
+        fail(op, name, f"has dtype {_dtype_name(t.dtype)}", "one of " + ", ".join(map(_dtype_name, dtypes)))
+    if device is not None and t.get_device() != device:
+        fail(op, name, f"is on {t.device}", "the device of the first activation argument")
+
+
+def same_shape(op: str, name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    if t.shape != other.shape:
+        fail(op, name, f"has shape {_shape(t)}", f"the shape of {other_name}, {_shape(other)}")
+
+
+def same_dtype(op: str, name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    if t.dtype != other.dtype:
+        fail(op, name, f"has dtype {_dtype_name(t.dtype)}", f"the dtype of {other_name}, {_dtype_name(other.dtype)}")
+
+
+def choice(op: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        fail(op, name, f"is {value!r}", "one of " + ", ".join(map(repr, allowed)))
+
+
+def eps(op: str, value) -> None:
+    if not isinstance(value, (float, int)) or not value >= 0:
+        fail(op, "eps", f"is {value!r}", "a number >= 0")
+
+
+class RowShape(NamedTuple):
+    """x viewed as [B, S, D]; a 2-D x [N, D] is B=1, S=N."""
+
+    batch: int
+    tokens: int
+    hidden: int
+
+
+def rows(op: str, name: str, x: torch.Tensor) -> RowShape:
+    shape = x.shape
+    if len(shape) == 3:
+        return RowShape(shape[0], shape[1], shape[2])
+    if len(shape) == 2:
+        return RowShape(1, shape[0], shape[1])
+    fail(op, name, f"has shape {_shape(x)}", "[B, S, D] or [N, D]")
+
+
+def modulation(op: str, name: str, t, x_rows: RowShape, device: int) -> str:
+    """Checks a scale/shift/gate tensor against x and returns its form (OPS.md, "Modulation tensors").
+
+    Forms: "scalar", "vector" (one [D] for all rows), "batch" (one per batch item),
+    "token" (one per token), "frame" ([B, F, 1, D]: token s uses frame s // (S // F)).
+    """
+    tensor(op, name, t, ACTIVATION_DTYPES, device)
+    B, S, D = x_rows
+    shape = tuple(t.shape)
+    n = len(shape)
+    if n == 0 or shape == (1,):
+        return "scalar"
+    if shape[-1] == D:
+        if n == 1 or shape[:-1] in ((1,), (1, 1)):
+            return "vector"
+        if n == 2 and shape[0] == B or n == 3 and shape[:2] == (B, 1):
+            return "batch"
+        if n == 3 and shape[0] in (1, B) and shape[1] == S:
+            return "token"
+        if n == 4 and shape[0] in (1, B) and shape[2] == 1 and shape[1] > 0 and S % shape[1] == 0:
+            return "frame"
+    fail(
+        op,
+        name,
+        f"has shape {list(shape)}",
+        f"one of [], [1], [D], [1, D], [1, 1, D], [B, D], [B, 1, D], [B, S, D], [1, S, D], "
+        f"[B, F, 1, D] with S % F == 0 (here B={B}, S={S}, D={D})",
+    )
+
+
+def affine(op: str, name: str, t, hidden: int, device: int) -> None:
+    """An optional per-channel weight or bias of shape [hidden]."""
+    if t is None:
+        return
+    tensor(op, name, t, ACTIVATION_DTYPES, device)
+    if tuple(t.shape) != (hidden,):
+        fail(op, name, f"has shape {_shape(t)}", f"[{hidden}]")
+
+
+def norm_kind(op: str, norm: str, bias) -> None:
+    choice(op, "norm", norm, NORMS)
+    if norm == "rms" and bias is not None:
+        fail(op, "bias", "is a tensor with norm='rms'", "None (RMSNorm has no bias)")
+
+
+def activation_pair(op: str, x_name: str, x, other_name: str, other) -> int:
+    """Checks two activations of the same shape and dtype; returns the device index of x."""
+    tensor(op, x_name, x)
+    device = x.get_device()
+    tensor(op, other_name, other, ACTIVATION_DTYPES, device)
+    same_shape(op, other_name, other, x_name, x)
+    same_dtype(op, other_name, other, x_name, x)
+    return device
+
+
+def selection_index(op: str, index, x_rows: RowShape, device: int) -> None:
+    if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype.is_complex:
+        got = f"has dtype {_dtype_name(index.dtype)}" if isinstance(index, torch.Tensor) else f"is a {type(index).__name__}"
+        fail(op, "index", got, "an integer or bool tensor of 0/1")
+    if index.get_device() != device:
+        fail(op, "index", f"is on {index.device}", "the device of x")
+    if tuple(index.shape) != (x_rows.batch, x_rows.tokens):
+        fail(op, "index", f"has shape {_shape(index)}", f"[B, S] = [{x_rows.batch}, {x_rows.tokens}]")
+
+
+def per_batch(op: str, name: str, t, x_rows: RowShape, device: int) -> None:
+    """A modulation tensor of the select ops: exactly [B, D]."""
+    tensor(op, name, t, ACTIVATION_DTYPES, device)
+    if tuple(t.shape) != (x_rows.batch, x_rows.hidden):
+        fail(op, name, f"has shape {_shape(t)}", f"[B, D] = [{x_rows.batch}, {x_rows.hidden}]")
+
+
+class HeadShape(NamedTuple):
+    """q as [..., Hq, Dh] and k as [..., Hk, Dh] with R rotary dims."""
+
+    leading: tuple
+    head_size: int
+    rotary_dim: int
+
+
+def _heads(op: str, name: str, t, device: Optional[int]) -> None:
+    tensor(op, name, t, ACTIVATION_DTYPES, device)
+    if t.dim() not in (3, 4):
+        fail(op, name, f"has shape {_shape(t)}", "[T, H, Dh] or [B, S, H, Dh]")
+    head_size = t.shape[-1]
+    if head_size % 2 or not 2 <= head_size <= MAX_HEAD_SIZE:
+        fail(op, name, f"has head size Dh={head_size}", f"an even Dh in [2, {MAX_HEAD_SIZE}]")
+    stride = t.stride()
+    if stride[-1] != 1 or t.shape[-2] > 1 and stride[-2] != head_size:
+        fail(op, name, f"has head and dim strides {list(stride[-2:])}", f"({head_size}, 1)")
+    for dim, (size, step) in enumerate(zip(t.shape[:-2], stride[:-2])):
+        if size > 1 and step == 0:
+            fail(op, name, f"is expanded (stride 0) along dimension {dim}", "a tensor that can be written in place")
+
+
+def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, read_values=True) -> HeadShape:
+    """Checks the arguments shared by the RoPE ops (OPS.md, "RoPE details").
+
+    ``read_values=False`` skips the check of position values (fake tensors have none).
+    """
+    _heads(op, "q", q, None)
+    device = q.get_device()
+    leading = tuple(q.shape[:-2])
+    head_size = q.shape[-1]
+    if k is not None:
+        _heads(op, "k", k, device)
+        same_dtype(op, "k", k, "q", q)
+        if tuple(k.shape[:-2]) != leading or k.shape[-1] != head_size:
+            fail(op, "k", f"has shape {_shape(k)}", f"[{', '.join(map(str, leading))}, Hk, {head_size}] (q's leading dims and Dh)")
+    tensor(op, "cos_sin_cache", cos_sin_cache, ACTIVATION_DTYPES, device)
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or not 2 <= cos_sin_cache.shape[1] <= head_size:
+        fail(op, "cos_sin_cache", f"has shape {_shape(cos_sin_cache)}", f"[P, R] with R even and 2 <= R <= Dh = {head_size}")
+    cache_positions, cache_dims = cos_sin_cache.shape
+    if rotary_dim is not None and rotary_dim != cache_dims:
+        fail(op, "rotary_dim", f"is {rotary_dim!r}", f"None or cos_sin_cache.shape[1] = {cache_dims} (the cache holds R/2 cos then R/2 sin columns)")
+    if cos_sin_cache.stride(-1) != 1 and cache_dims > 1:
+        fail(op, "cos_sin_cache", f"has strides {list(cos_sin_cache.stride())}", "a last dimension of stride 1")
+    if not isinstance(interleaved, bool):
+        fail(op, "interleaved", f"is {interleaved!r}", "True or False")
+    if not isinstance(position_offset, int) or position_offset < 0:
+        fail(op, "position_offset", f"is {position_offset!r}", "an int >= 0")
+    if positions is None:
+        tokens = leading[-1]
+        if position_offset + tokens > cache_positions:
+            fail(
+                op,
+                "cos_sin_cache",
+                f"has {cache_positions} rows",
+                f"at least position_offset + S = {position_offset} + {tokens} rows",
+            )
+    else:
+        _positions(op, positions, leading, cache_positions, position_offset, device, read_values)
+    return HeadShape(leading, head_size, cache_dims)
+
+
+def _positions(op, positions, leading, cache_positions, position_offset, device, read_values) -> None:
+    tensor(op, "positions", positions, (torch.int32, torch.int64), device)
+    if tuple(positions.shape) != leading:
+        fail(op, "positions", f"has shape {_shape(positions)}", f"q's leading shape {list(leading)}")
+    if position_offset:
+        fail(op, "position_offset", f"is {position_offset} with positions given", "0 (the offset applies only when positions is None)")
+    # Reading the values needs a device sync, so on a GPU this runs only when asked for.
+    if read_values and positions.numel() and (device < 0 or debug_checks()):
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= cache_positions:
+            fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {cache_positions}) (rows of cos_sin_cache)")
+
+
+def debug_checks() -> bool:
+    """DITOPS_DEBUG=1 turns on the checks that read GPU tensor values (they synchronize)."""
+    return os.environ.get("DITOPS_DEBUG", "0") not in ("", "0")
