@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import validation as check
 from .dispatch import Features, describe, select
-from .dispatch.selector import candidates, format_table
+from .dispatch.selector import candidates, choose, format_table
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -81,7 +81,7 @@ def _norm_arguments(op, shape, device, weight, bias, norm, eps):
 def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_call=True) -> Optional[Features]:
     op = "norm_scale_shift"
     check.tensor(op, "x", x)
-    device = x.get_device()
+    device = x.device
     shape = check.rows(op, "x", x)
     forms = (check.modulation(op, "scale", scale, shape, device), check.modulation(op, "shift", shift, shape, device))
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
@@ -109,7 +109,7 @@ def _check_residual_norm_scale_shift(
 
 def _select_arguments(op, x, index, modulation, weight, bias, eps):
     """Checks shared by the select ops; ``modulation`` maps the six names to tensors."""
-    device = x.get_device()
+    device = x.device
     shape = check.rows(op, "x", x)
     check.selection_index(op, index, shape, device)
     for name, t in modulation.items():
@@ -136,7 +136,7 @@ def _check_residual_norm_scale_shift_select(
 ) -> Optional[Features]:
     op = "residual_norm_scale_shift_select"
     check.activation_pair(op, "x", x, "residual", residual)
-    check.tensor(op, "residual_gate", residual_gate, check.ACTIVATION_DTYPES, x.get_device())
+    check.tensor(op, "residual_gate", residual_gate, check.ACTIVATION_DTYPES, x.device)
     check.same_shape(op, "residual_gate", residual_gate, "x", x)
     modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
     shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
@@ -193,7 +193,7 @@ def _check_qk_norm_rope(
     if k is None:
         check.fail(op, "k", "is None", "a tensor (only rope_ takes k=None)")
     heads = check.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, describe_call)
-    device = q.get_device()
+    device = q.device
     check.affine(op, "q_weight", q_weight, heads.head_size, device)
     check.affine(op, "k_weight", k_weight, heads.head_size, device)
     check.eps(op, eps)
@@ -446,19 +446,24 @@ PUBLIC = {
 }
 
 
-def explain(op: str, *args, **kwargs) -> "Explanation":
-    """Which implementation ``ditops.<op>(*args, **kwargs)`` would run, and why each other one refused."""
-    public = PUBLIC[op]
-    bound = inspect.signature(public).bind(*args, **kwargs)
+def ordered_arguments(op: str, *args, **kwargs) -> tuple:
+    """The arguments of a public call in the order backends take them, and the backend override."""
+    bound = inspect.signature(PUBLIC[op]).bind(*args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     backend = arguments.pop("backend")
-    features = OPS[op].check(*arguments.values())
+    return tuple(arguments.values()), backend
+
+
+def explain(op: str, *args, **kwargs) -> "Explanation":
+    """Which implementation ``ditops.<op>(*args, **kwargs)`` would run, and why each other one refused."""
+    arguments, backend = ordered_arguments(op, *args, **kwargs)
+    features = OPS[op].check(*arguments)
     if features is None:
         return Explanation(op, None, [], None, "empty input: no kernel runs")
     rows = candidates(op, features)
     try:
-        chosen = select(op, features, backend).name
+        chosen = choose(op, features, backend).name
         error = None
     except Exception as failure:
         chosen, error = None, str(failure)

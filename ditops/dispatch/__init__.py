@@ -1,6 +1,6 @@
 """The dispatcher: registry (YAML), device detection, capability checks, selection, overrides."""
 
-from .device import DeviceInfo, current_device, device_of, parse_arch, simulated_device
+from .device import DeviceInfo, current_device, device_info, device_of, parse_arch, simulated_device
 from .features import Features, describe
 from .registry import OPS, op_name
 from .selector import (
@@ -24,6 +24,7 @@ __all__ = [
     "candidates",
     "current_device",
     "describe",
+    "device_info",
     "device_of",
     "dispatcher",
     "format_table",

@@ -89,6 +89,14 @@ def device_of(index: int) -> DeviceInfo:
     return info
 
 
+def device_info(device) -> DeviceInfo:
+    """The DeviceInfo of a torch.device or device string ("cpu", "cuda", "cuda:1")."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device_of(-1)
+    return device_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def current_device() -> DeviceInfo:
     """The device a new tensor would go to by default: the current GPU if any, else the CPU."""
     return device_of(torch.cuda.current_device() if torch.cuda.is_available() else -1)

@@ -100,15 +100,13 @@ class Implementation:
         return getattr(importlib.import_module(self.backend.module), self.function_name)
 
     def refusal(self, features: Features) -> Optional[str]:
-        """Why this implementation cannot take a call with these features, or None if it can."""
+        """Why this implementation cannot take a call with these features (every failed
+        constraint, joined by ", and "), or None if it can."""
         reason = self.backend.refusal(features.device)
         if reason:
             return reason
-        for check, wanted in self.checks:
-            reason = check(wanted, features)
-            if reason:
-                return reason
-        return None
+        reasons = [reason for check, wanted in self.checks if (reason := check(wanted, features))]
+        return ", and ".join(reasons) or None
 
 
 class Registry:

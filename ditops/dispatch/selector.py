@@ -145,12 +145,16 @@ def select(op: str, features: Features, backend: Optional[str] = None) -> Implem
     key = (op, forced, features)
     implementation = state.cache.get(key)
     if implementation is None:
-        implementation = _choose(state, op, features, backend)
+        implementation = choose(op, features, backend)
+        if forced is None:
+            _log_fallback(state, op, implementation, features)
         state.cache[key] = implementation
     return implementation
 
 
-def _choose(state: _Dispatcher, op: str, features: Features, backend: Optional[str]) -> Implementation:
+def choose(op: str, features: Features, backend: Optional[str] = None) -> Implementation:
+    """The selection itself: uncached and silent (``explain`` uses it too)."""
+    state = dispatcher()
     forced, forced_by = forced_backend(op, backend)
     refusals = []
     for implementation in state.implementations[op]:
@@ -159,7 +163,6 @@ def _choose(state: _Dispatcher, op: str, features: Features, backend: Optional[s
             refusals.append(Candidate(implementation.name, reason or f"not forced ({forced} is); it would accept"))
             continue
         if reason is None:
-            _log_fallback(state, op, implementation, features, refusals)
             return implementation
         refusals.append(Candidate(implementation.name, reason))
     if forced and forced not in state.registry.backends:
@@ -200,10 +203,11 @@ def describe_features(f: Features) -> str:
     return ", ".join(parts)
 
 
-def _log_fallback(state: _Dispatcher, op: str, implementation: Implementation, features: Features, refusals: list) -> None:
+def _log_fallback(state: _Dispatcher, op: str, implementation: Implementation, features: Features) -> None:
     """One WARNING per (op, backend, reasons) when a GPU call lands on the reference."""
     if implementation.name != "reference" or not features.device.is_gpu:
         return
+    refusals = [c for c in candidates(op, features) if c.refusal]
     reasons = "; ".join(f"{c.backend}: {c.refusal}" for c in refusals) or "no kernel backend is registered for it"
     key = (op, implementation.name, reasons)
     if key in state.warned:

@@ -1,0 +1,136 @@
+"""The ``ditops`` command: info, explain, check."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections import Counter, defaultdict
+
+import torch
+
+from . import conformance, dispatch, explain
+from .examples import DEFAULT_SHAPES, example_arguments
+
+INFO_TOKENS = 128  # dispatch does not depend on the token count; keep the example inputs small
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise argparse.ArgumentTypeError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def _shape(text: str) -> tuple:
+    try:
+        return tuple(int(part) for part in text.replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape like 2,4096,3072") from None
+
+
+def _device_scope(arch):
+    return dispatch.simulated_device(arch) if arch else contextlib.nullcontext()
+
+
+def _local_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def info(arguments) -> int:
+    with _device_scope(arguments.device):
+        device = dispatch.device_of(-1) if arguments.device else dispatch.current_device()
+        print(f"ditops {sys.modules['ditops'].__version__}, torch {torch.__version__}")
+        print(f"device: {device}")
+        registry = dispatch.dispatcher().registry
+        print(f"registry: {', '.join(registry.sources)}")
+        print("\nbackends:")
+        width = max(map(len, registry.backends))
+        for name, backend in registry.backends.items():
+            reason = backend.refusal(device)
+            print(f"  {name:<{width}}  {'available' if reason is None else 'unavailable: ' + reason}")
+        print(f"\ndispatch for typical bfloat16 inputs (tokens cut to {INFO_TOKENS}; the choice does not depend on them):")
+        width = max(map(len, dispatch.OPS))
+        for op in dispatch.OPS:
+            shape = list(DEFAULT_SHAPES[op])
+            shape[-3 if op.endswith("_") else -2] = INFO_TOKENS
+            explanation = explain(op, **example_arguments(op, shape, torch.bfloat16, _local_device()))
+            target = explanation.selected or f"none ({explanation.error.splitlines()[0]})"
+            print(f"  {op:<{width}}  {shape} -> {target}")
+    return 0
+
+
+def explain_command(arguments) -> int:
+    with _device_scope(arguments.device):
+        example = example_arguments(arguments.op, arguments.shape, arguments.dtype, _local_device())
+        print(explain(arguments.op, **example))
+    return 0
+
+
+def check(arguments) -> int:
+    device = arguments.device or _local_device()
+    results = defaultdict(Counter)
+    skip_reasons = defaultdict(Counter)
+    failures = []
+    backends = conformance.backends()
+    for backend in backends:
+        unavailable = conformance.unavailable_reason(backend, device)
+        for case in conformance.CASES:
+            for dtype in arguments.dtypes:
+                outcome = conformance.Outcome("skip", unavailable) if unavailable else conformance.run_case(case, backend, dtype, device)
+                results[(case.op, backend)][outcome.status] += 1
+                if outcome.status == "skip":
+                    skip_reasons[(case.op, backend)][outcome.detail] += 1
+                if outcome.status == "fail":
+                    failures.append(f"{case.id} [{backend}, {str(dtype).removeprefix('torch.')}]: {outcome.detail}")
+    print(f"conformance on {device}: every case x dtype against the float64 oracle\n")
+    width = max(map(len, dispatch.OPS))
+    print(f"{'op':<{width}}  " + "  ".join(f"{b:<22}" for b in backends))
+    for op in dispatch.OPS:
+        cells = []
+        for backend in backends:
+            count = results[(op, backend)]
+            cells.append(f"{count['pass']} pass {count['fail']} fail {count['skip']} skip".ljust(22))
+        print(f"{op:<{width}}  " + "  ".join(cells))
+    if skip_reasons:
+        print("\nskipped:")
+        for (op, backend), reasons in skip_reasons.items():
+            for reason, count in reasons.items():
+                print(f"  {op} [{backend}] x{count}: {reason}")
+    if failures:
+        print("\nfailures:")
+        for failure in failures:
+            print(f"  {failure}")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ditops", description="Fused ops for diffusion transformers.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    info_parser = commands.add_parser("info", help="the device, each backend's availability, and what each op dispatches to")
+    info_parser.add_argument("--device", help="simulate a GPU arch, e.g. sm_90, gfx942")
+    info_parser.set_defaults(run=info)
+
+    explain_parser = commands.add_parser("explain", help="which implementation an op would run for a shape, and why")
+    explain_parser.add_argument("op", choices=dispatch.OPS, metavar="OP", help=", ".join(dispatch.OPS))
+    explain_parser.add_argument("--shape", type=_shape, help="x as B,S,D for the norm ops; q as T,H,Dh or B,S,H,Dh for RoPE")
+    explain_parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
+    explain_parser.add_argument("--device", help="simulate a GPU arch, e.g. sm_90, gfx942")
+    explain_parser.set_defaults(run=explain_command)
+
+    check_parser = commands.add_parser("check", help="run the conformance suite here; prints an op x backend table")
+    check_parser.add_argument("--device", help="torch device to test on (default: cuda if present, else cpu)")
+    check_parser.add_argument("--dtypes", type=_dtype, nargs="+", default=list(conformance.DTYPES))
+    check_parser.set_defaults(run=check)
+
+    arguments = parser.parse_args(argv)
+    try:
+        return arguments.run(arguments)
+    except ValueError as error:
+        print(f"ditops {arguments.command}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

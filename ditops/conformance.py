@@ -1,0 +1,425 @@
+"""The conformance suite: every backend of the registry against a float64 oracle.
+
+A ``Case`` builds the keyword arguments of one public op (fresh random inputs for a
+dtype). ``run_case`` calls one backend's implementation directly on outputs poisoned
+with NaN, compares every output with the oracle under OPS.md's tolerances, then calls
+the public op with that backend forced on freshly built identical inputs and requires
+bitwise the same outputs (the dispatch path and run-to-run determinism). A backend that
+cannot run here, or refuses the case, is skipped with its reason.
+
+The cases are real model shapes of OPS.md scaled down (fewer tokens and heads, real D
+and Dh), odd sizes, every modulation form, strided, expanded and misaligned views,
+GQA/MQA, partial rotary, position offsets and empty inputs. Used by
+tests/conformance and by ``ditops check``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from .backends import reference
+from .dispatch import device_info, dispatcher
+from .ops import OPS, PUBLIC, ordered_arguments
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol (OPS.md)
+
+OUTPUT_NAMES = {
+    "norm_scale_shift": ("y",),
+    "residual_norm_scale_shift": ("y", "residual_out"),
+    "norm_scale_shift_select": ("y", "gate_out"),
+    "residual_norm_scale_shift_select": ("y", "residual_out", "gate_out"),
+    "add_gate_norm": ("out",),
+    "add_gate_norm_scale": ("out", "y"),
+    "qk_norm_rope_": ("q", "k"),
+    "rope_": ("q", "k"),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    name: str
+    build: Callable  # (dtype, device, generator) -> keyword arguments of the public op
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.name}"
+
+    def arguments(self, dtype: torch.dtype, device) -> dict:
+        """Fresh inputs; the same (case, dtype) always gives the same values."""
+        seed = zlib.crc32(f"{self.id}-{dtype}".encode())
+        return self.build(dtype, torch.device(device), torch.Generator().manual_seed(seed))
+
+
+class Outcome(NamedTuple):
+    status: str  # "pass", "fail" or "skip"
+    detail: str = ""
+
+
+# Input builders.
+
+
+def _random(generator, device, dtype, *shape):
+    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+
+def _activation(generator, device, dtype, shape, layout="contiguous", special_values=False):
+    """x-like tensor: contiguous, a row-strided view of a wider buffer, or a view at storage offset 1;
+    with ``special_values``, its first row holds a NaN and its last row an Inf."""
+    if layout == "strided":
+        t = _random(generator, device, dtype, *shape[:-1], shape[-1] + 24)[..., : shape[-1]]
+    elif layout == "misaligned":
+        t = _random(generator, device, dtype, _count(shape) + 1)[1:].view(shape)
+    else:
+        t = _random(generator, device, dtype, *shape)
+    if special_values:
+        leading = t.dim() - 1
+        t[(0,) * leading + (1,)] = float("nan")
+        t[(-1,) * leading + (2,)] = float("inf")
+    return t
+
+
+def _count(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _modulation(generator, device, dtype, form, batch, tokens, hidden, frames=3):
+    """One modulation tensor in a form of OPS.md; values around 0.5 so that 1 + scale is not ~1."""
+    rand = lambda *shape: _random(generator, device, dtype, *shape) * 0.5  # noqa: E731
+    if form == "scalar":
+        return rand()
+    if form == "scalar1":
+        return rand(1)
+    if form == "vector":
+        return rand(hidden)
+    if form == "vector3":
+        return rand(1, 1, hidden)
+    if form == "batch":
+        return rand(batch, hidden)
+    if form == "batch_view":  # mod[:, 2] of a [B, 6, D] tensor, as DiTs chunk their modulation
+        return rand(batch, 6, hidden)[:, 2]
+    if form == "batch3":
+        return rand(batch, 1, hidden)
+    if form == "token":
+        return rand(batch, tokens, hidden)
+    if form == "token1":
+        return rand(1, tokens, hidden)
+    if form == "token_expanded":  # a [B, D] vector expanded over tokens: stride 0
+        return rand(batch, 1, hidden).expand(batch, tokens, hidden)
+    if form == "frame":
+        return rand(batch, frames, 1, hidden)
+    raise ValueError(form)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """Shape and layout of a norm-op case."""
+
+    batch: int
+    tokens: int
+    hidden: int
+    scale: str = "batch_view"
+    shift: str = "batch_view"
+    gate: Optional[str] = "batch_view"
+    layout: str = "contiguous"
+    norm: str = "layer"
+    param_dtype: Optional[torch.dtype] = None  # None: the activations' dtype (e.g. float32 in Wan)
+    affine: bool = True
+    two_d: bool = False
+    special_values: bool = False  # plant NaN and Inf in x: they must propagate as in the reference
+
+
+ROW_SPECS = {
+    "wan1.3b-fp32-mod": RowSpec(1, 40, 1536, "batch3", "batch3", "batch3", param_dtype=torch.float32),
+    "hunyuan-chunked-mod": RowSpec(2, 24, 3072),
+    "flux2-rms": RowSpec(1, 16, 6144, norm="rms", affine=False),
+    "odd-d1000-token-mod": RowSpec(2, 7, 1000, "token", "token1", "token"),
+    "per-frame": RowSpec(1, 12, 256, "frame", "frame", "frame", param_dtype=torch.float32),
+    "scalar-and-vector": RowSpec(2, 5, 128, "scalar", "vector", "scalar1"),
+    "vector3-rms": RowSpec(1, 9, 384, "vector3", "vector", "vector3", norm="rms"),
+    "strided-x": RowSpec(2, 6, 512, layout="strided"),
+    "expanded-mod": RowSpec(2, 6, 256, "token_expanded", "batch", "token_expanded"),
+    "misaligned": RowSpec(1, 5, 200, "batch", "batch", "batch", layout="misaligned", norm="rms"),
+    "two-d-x": RowSpec(1, 11, 320, "vector", "batch", "token1", two_d=True),
+    "gate-none": RowSpec(2, 4, 192, gate=None),
+    "nan-inf": RowSpec(2, 4, 96, special_values=True),
+    "empty": RowSpec(2, 0, 256),
+}
+
+SELECT_SPECS = {
+    "qwen-edit": RowSpec(1, 32, 3072, param_dtype=torch.float32),
+    "odd-d1000": RowSpec(2, 9, 1000),
+    "strided-x": RowSpec(2, 6, 512, layout="strided"),
+    "misaligned": RowSpec(1, 5, 200, layout="misaligned"),
+    "empty": RowSpec(1, 0, 128),
+}
+
+GATE_NORM_SPECS = {
+    "z-image": RowSpec(1, 24, 3840, norm="rms", param_dtype=torch.float32, affine=False),
+    "odd-d1000-layer": RowSpec(2, 7, 1000, gate="token"),
+    "per-frame": RowSpec(1, 12, 256, gate="frame", scale="frame", norm="rms"),
+    "scalar-gate": RowSpec(2, 5, 128, gate="scalar", scale="vector", norm="layer"),
+    "strided-x": RowSpec(2, 6, 512, layout="strided", norm="rms"),
+    "misaligned": RowSpec(1, 5, 200, layout="misaligned", norm="rms"),
+    "empty": RowSpec(2, 0, 64),
+}
+
+
+def _row_arguments(op: str, spec: RowSpec, dtype, device, generator) -> dict:
+    shape = (spec.tokens, spec.hidden) if spec.two_d else (spec.batch, spec.tokens, spec.hidden)
+    param_dtype = spec.param_dtype or dtype
+    activation = lambda: _activation(generator, device, dtype, shape, spec.layout, spec.special_values)  # noqa: E731
+    mod = lambda form: _modulation(generator, device, param_dtype, form, spec.batch, spec.tokens, spec.hidden)  # noqa: E731
+    affine = lambda: _random(generator, device, param_dtype, spec.hidden) if spec.affine else None  # noqa: E731
+    bias = lambda: affine() if spec.norm == "layer" else None  # noqa: E731
+    if op == "norm_scale_shift":
+        return dict(x=activation(), scale=mod(spec.scale), shift=mod(spec.shift), weight=affine(), bias=bias(), norm=spec.norm)
+    if op == "residual_norm_scale_shift":
+        return dict(
+            x=activation(),
+            residual=activation(),
+            gate=mod(spec.gate) if spec.gate else None,
+            scale=mod(spec.scale),
+            shift=mod(spec.shift),
+            weight=affine(),
+            bias=bias(),
+            norm=spec.norm,
+        )
+    if op in ("norm_scale_shift_select", "residual_norm_scale_shift_select"):
+        index = (torch.rand((spec.batch, spec.tokens), generator=generator) > 0.5).to(device=device, dtype=torch.int64)
+        arguments = dict(x=activation(), index=index)
+        arguments.update({name: mod("batch") for name in ("scale0", "shift0", "gate0", "scale1", "shift1", "gate1")})
+        arguments.update(weight=affine(), bias=bias())
+        if op == "residual_norm_scale_shift_select":
+            arguments.update(residual=activation(), residual_gate=activation())
+        return arguments
+    gate_act = "tanh" if spec.norm == "rms" else None
+    arguments = dict(
+        x=activation(), branch=activation(), gate=mod(spec.gate), weight=affine(), bias=bias(), norm=spec.norm, eps=1e-5, gate_act=gate_act
+    )
+    if op == "add_gate_norm_scale":
+        arguments.update(scale=mod(spec.scale), weight2=affine(), bias2=bias())
+    return arguments
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """Shape and layout of a RoPE-op case."""
+
+    leading: tuple  # (T,) or (B, S)
+    q_heads: int
+    k_heads: int
+    head_size: int
+    rotary_dim: Optional[int] = None  # None: Dh
+    interleaved: bool = True
+    positions: Optional[torch.dtype] = None  # None: no positions, rows position_offset + s
+    position_offset: int = 0
+    layout: str = "contiguous"  # or "qkv" (views of one fused buffer), "misaligned"
+    cache_dtype: torch.dtype = torch.float32
+    k_none: bool = False
+
+
+HEAD_SPECS = {
+    "flux-image-tokens": HeadSpec((1, 24), 4, 4, 128, position_offset=8),
+    "llm-gqa-neox": HeadSpec((33,), 8, 2, 128, interleaved=False, positions=torch.int64),
+    "dh80-int32-positions": HeadSpec((2, 9), 4, 4, 80, positions=torch.int32),
+    "dh96-mqa-neox": HeadSpec((17,), 4, 1, 96, interleaved=False, positions=torch.int64),
+    "partial-rotary": HeadSpec((2, 6), 2, 2, 128, rotary_dim=64, interleaved=False, position_offset=3),
+    "partial-rotary-interleaved": HeadSpec((12,), 3, 3, 64, rotary_dim=32),
+    "qkv-views": HeadSpec((2, 7), 4, 2, 128, layout="qkv", positions=torch.int64),
+    "misaligned": HeadSpec((5,), 2, 2, 64, layout="misaligned"),
+    "bf16-cache": HeadSpec((10,), 2, 2, 256, cache_dtype=torch.bfloat16),
+    "empty": HeadSpec((0,), 2, 2, 128),
+}
+
+ROPE_ONLY_SPECS = {"k-none": HeadSpec((2, 5), 3, 3, 64, k_none=True)}
+
+
+def _head_arguments(op: str, spec: HeadSpec, dtype, device, generator) -> dict:
+    head_size = spec.head_size
+    q_shape = (*spec.leading, spec.q_heads, head_size)
+    k_shape = (*spec.leading, spec.k_heads, head_size)
+    if spec.layout == "qkv":
+        width = (spec.q_heads + 2 * spec.k_heads) * head_size
+        qkv = _random(generator, device, dtype, *spec.leading, width)
+        q = qkv[..., : spec.q_heads * head_size].unflatten(-1, (spec.q_heads, head_size))
+        k = qkv[..., spec.q_heads * head_size : (spec.q_heads + spec.k_heads) * head_size].unflatten(-1, (spec.k_heads, head_size))
+    else:
+        q = _activation(generator, device, dtype, q_shape, spec.layout)
+        k = _activation(generator, device, dtype, k_shape, spec.layout)
+    rotary_dim = spec.rotary_dim or head_size
+    tokens = spec.leading[-1]
+    rows = spec.position_offset + tokens + 5
+    cache = torch.cat(
+        [torch.cos(angle := torch.rand((rows, rotary_dim // 2), generator=generator, dtype=torch.float64) * 6.3), torch.sin(angle)],
+        dim=1,
+    ).to(device=device, dtype=spec.cache_dtype)
+    positions = None
+    if spec.positions is not None:
+        positions = torch.randint(0, rows, spec.leading, generator=generator).to(device=device, dtype=spec.positions)
+    arguments = dict(
+        q=q,
+        k=None if spec.k_none else k,
+        cos_sin_cache=cache,
+        positions=positions,
+        interleaved=spec.interleaved,
+        rotary_dim=spec.rotary_dim,
+        position_offset=spec.position_offset,
+    )
+    if op == "qk_norm_rope_":
+        arguments.update(q_weight=_random(generator, device, torch.float32, head_size), k_weight=_random(generator, device, dtype, head_size))
+    return arguments
+
+
+def _cases() -> list:
+    cases = []
+    specs = {
+        "norm_scale_shift": ROW_SPECS,
+        "residual_norm_scale_shift": ROW_SPECS,
+        "norm_scale_shift_select": SELECT_SPECS,
+        "residual_norm_scale_shift_select": SELECT_SPECS,
+        "add_gate_norm": GATE_NORM_SPECS,
+        "add_gate_norm_scale": GATE_NORM_SPECS,
+    }
+    for op, op_specs in specs.items():
+        for name, spec in op_specs.items():
+            if spec.gate is None and op != "residual_norm_scale_shift":
+                continue
+            cases.append(Case(op, name, lambda dtype, device, g, op=op, spec=spec: _row_arguments(op, spec, dtype, device, g)))
+    for op, op_specs in (("qk_norm_rope_", HEAD_SPECS), ("rope_", {**HEAD_SPECS, **ROPE_ONLY_SPECS})):
+        for name, spec in op_specs.items():
+            cases.append(Case(op, name, lambda dtype, device, g, op=op, spec=spec: _head_arguments(op, spec, dtype, device, g)))
+    return cases
+
+
+CASES = _cases()
+
+
+# The oracle and the comparison.
+
+
+def _widen(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().to(torch.float64, copy=True)
+    return value
+
+
+def oracle(op: str, arguments: dict, dtype: torch.dtype) -> tuple:
+    """The expected outputs in float64. Where OPS.md stores an intermediate (residual_out,
+    out) and normalises it as stored, the oracle rounds it to ``dtype`` at the same point."""
+    wide = {name: _widen(value) for name, value in arguments.items()}
+    ordered, _ = ordered_arguments(op, **wide)
+    expected = getattr(reference, op)(*ordered)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    stored = lambda t: t.to(dtype).to(torch.float64)  # noqa: E731
+    norm_keys = ("weight", "bias")
+    if op == "residual_norm_scale_shift":
+        affine = {key: wide[key] for key in norm_keys}
+        y = reference.norm_scale_shift(stored(expected[1]), wide["scale"], wide["shift"], norm=wide.get("norm", "layer"), **affine)
+        return y, expected[1]
+    if op == "residual_norm_scale_shift_select":
+        selection = {key: wide[key] for key in ("index", "scale0", "shift0", "gate0", "scale1", "shift1", "gate1", *norm_keys)}
+        y, gate = reference.norm_scale_shift_select(stored(expected[1]), **selection)
+        return y, expected[1], gate
+    if op == "add_gate_norm_scale":
+        zero_shift = torch.zeros((), dtype=torch.float64, device=expected[0].device)
+        y = reference.norm_scale_shift(
+            stored(expected[0]), wide["scale"], zero_shift, wide["weight2"], wide["bias2"], wide["norm"], wide["eps"]
+        )
+        return expected[0], y
+    if op in ("qk_norm_rope_", "rope_"):
+        return tuple(t for t in expected if t is not None)
+    return expected
+
+
+def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> Optional[str]:
+    """None if ``actual`` meets OPS.md's tolerances against the float64 ``expected``, else why not."""
+    if actual.shape != expected.shape or actual.dtype != dtype:
+        return f"{name}: got {list(actual.shape)} {actual.dtype}, wanted {list(expected.shape)} {dtype}"
+    if actual.numel() == 0:
+        return None
+    actual = actual.to(torch.float64)
+    unexpected_nan = actual.isnan() & ~expected.isnan()
+    if unexpected_nan.any():
+        return f"{name}: {int(unexpected_nan.sum())} NaN where the reference has none (unwritten or wrong)"
+    tolerance = TOLERANCES[dtype]
+    close = torch.isclose(actual, expected, rtol=tolerance, atol=tolerance, equal_nan=True)
+    if not close.all():
+        where = (~close).nonzero()[0].tolist()
+        return (
+            f"{name}: {int((~close).sum())} elements off by more than atol=rtol={tolerance}, "
+            f"first at {where}: {actual[tuple(where)].item():.6g} vs {expected[tuple(where)].item():.6g}"
+        )
+    finite = expected.isfinite()
+    relative = (actual[finite] - expected[finite]).norm() / expected[finite].norm().clamp_min(1e-30)
+    limit = 4 * torch.finfo(dtype).eps
+    if relative > limit:
+        return f"{name}: ||out - ref|| / ||ref|| = {relative:.3g} > 4 eps = {limit:.3g}"
+    return None
+
+
+def implementation_of(op: str, backend: str):
+    for implementation in dispatcher().implementations[op]:
+        if implementation.name == backend:
+            return implementation
+    return None
+
+
+def _results(op: str, arguments: dict, outputs: tuple) -> tuple:
+    if op in ("qk_norm_rope_", "rope_"):
+        return tuple(t for t in (arguments["q"], arguments["k"]) if t is not None)
+    return outputs
+
+
+def _bitwise_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN (torch.equal alone calls NaN unequal)."""
+    return torch.equal(first.isnan(), second.isnan()) and torch.equal(first.nan_to_num(), second.nan_to_num())
+
+
+def run_case(case: Case, backend: str, dtype: torch.dtype, device="cpu") -> Outcome:
+    """Checks one backend on one case and dtype (see the module docstring)."""
+    op = case.op
+    implementation = implementation_of(op, backend)
+    if implementation is None:
+        return Outcome("skip", f"{backend} has no enabled implementation of {op}")
+    arguments = case.arguments(dtype, device)
+    ordered, _ = ordered_arguments(op, **arguments)
+    features = OPS[op].check(*ordered)
+    if features is not None:
+        refusal = implementation.refusal(features)
+        if refusal:
+            return Outcome("skip", refusal)
+    expected = oracle(op, arguments, dtype)
+    outputs = tuple(torch.full_like(t, float("nan")) for t in OPS[op].outputs(*ordered))
+    if features is not None:
+        implementation.function(*ordered, *outputs)
+    actual = _results(op, arguments, outputs)
+    names = OUTPUT_NAMES[op]
+    problems = [problem for name, a, e in zip(names, actual, expected) if (problem := compare(name, a, e, dtype))]
+
+    again = case.arguments(dtype, device)
+    public = PUBLIC[op](**again, backend=backend)
+    public = _results(op, again, public if isinstance(public, tuple) else (public,))
+    for name, first, second in zip(names, actual, public):
+        if not _bitwise_equal(first, second):
+            problems.append(f"{name}: the public op with backend={backend!r} is not bitwise equal to the direct call")
+    return Outcome("fail", "; ".join(problems)) if problems else Outcome("pass")
+
+
+def backends() -> list:
+    """Every backend named by the registry, in registry order."""
+    return list(dispatcher().registry.backends)
+
+
+def unavailable_reason(backend: str, device) -> Optional[str]:
+    """Why ``backend`` cannot run on ``device`` at all, or None."""
+    return dispatcher().registry.backends[backend].refusal(device_info(device))

@@ -1,0 +1,320 @@
+"""The dispatcher: device detection, constraints with reasons, the selection cache, the
+overrides, strict failures, the fallback warning and explain; on simulated devices."""
+
+import logging
+import types
+
+import pytest
+import torch
+import toy_backends
+
+import ditops
+from ditops import dispatch
+from ditops.dispatch import device as device_module
+from ditops.examples import example_arguments
+
+BF16 = torch.bfloat16
+
+
+def norm_arguments(hidden=3072, dtype=BF16, **overrides):
+    arguments = example_arguments("norm_scale_shift", (2, 16, hidden), dtype)
+    arguments.update(overrides)
+    return arguments
+
+
+def chosen(op, **arguments):
+    return ditops.explain(op, **arguments).selected
+
+
+def refusals(op, **arguments):
+    return {row.backend: row.refusal for row in ditops.explain(op, **arguments).candidates}
+
+
+# Device detection.
+
+
+def test_parse_arch():
+    assert dispatch.parse_arch("sm_90") == dispatch.DeviceInfo("cuda", "sm_90", simulated=True)
+    assert dispatch.parse_arch("sm90a").sm == 90
+    assert dispatch.parse_arch("gfx942").vendor == "rocm"
+    assert dispatch.parse_arch("gfx942").warp_size == 64
+    assert dispatch.parse_arch("cpu") == device_module.CPU
+    with pytest.raises(ValueError, match="'tpu'"):
+        dispatch.parse_arch("tpu")
+
+
+@pytest.mark.parametrize(
+    "hip, properties, expected",
+    [
+        (None, dict(major=9, minor=0, name="NVIDIA H100"), ("cuda", "sm_90")),
+        ("6.2", dict(gcnArchName="gfx942:sramecc+:xnack-", name="AMD Instinct MI300X"), ("rocm", "gfx942")),
+        ("6.2", dict(gcnArchName="gfx90a:sramecc+:xnack-", name="AMD Instinct MI250X"), ("rocm", "gfx90a")),
+    ],
+)
+def test_gpu_detection_reads_torch_version_and_device_properties(monkeypatch, hip, properties, expected):
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(**properties))
+    info = device_module._detect_gpu(0)
+    assert (info.vendor, info.arch, info.name) == (*expected, properties["name"])
+
+
+def test_cpu_tensors_are_seen_on_the_simulated_device():
+    assert dispatch.device_of(-1) == device_module.CPU
+    with dispatch.simulated_device("gfx90a") as device:
+        assert dispatch.device_of(-1) is device
+    assert dispatch.device_of(-1) == device_module.CPU
+
+
+# Selection on simulated devices, with a test backend plugged in by YAML alone.
+
+
+def test_builtin_registry_serves_every_op_with_the_reference():
+    for op in dispatch.OPS:
+        assert [impl.name for impl in dispatch.dispatcher().implementations[op]][-1] == "reference"
+
+
+def test_yaml_backend_is_picked_on_sm90(toy_registry):
+    with dispatch.simulated_device("sm_90"):
+        assert chosen("norm_scale_shift", **norm_arguments()) == "fast"
+        toy_backends.CALLS.clear()
+        ditops.norm_scale_shift(**norm_arguments())
+        assert toy_backends.CALLS == ["norm_scale_shift"]
+
+
+@pytest.mark.parametrize(
+    "arguments, reason",
+    [
+        (dict(hidden=1004), "needs D to be a multiple of 8, got D=1004"),
+        (dict(dtype=torch.float32), "activations must be float16, bfloat16, got float32"),
+        (dict(scale=torch.randn(2, 16, 3072, dtype=BF16)), "supports modulation forms ['scalar', 'vector', 'batch'], got ['token']"),
+        (dict(x=torch.randn(2 * 16 * 3072 + 1, dtype=BF16)[1:].view(2, 16, 3072)), "needs 16-byte aligned data pointers and strides, got 2-byte"),
+        (dict(x=torch.randn(2, 16, 3072 * 2, dtype=BF16)[..., ::2]), "needs every tensor's last dimension to have stride 1"),
+    ],
+    ids=["odd-D", "float32", "per-token-modulation", "misaligned", "last-dim-stride"],
+)
+def test_refusals_name_the_constraint(toy_registry, arguments, reason):
+    with dispatch.simulated_device("sm_90"):
+        arguments = norm_arguments(**arguments)
+        assert chosen("norm_scale_shift", **arguments) == "reference"
+        assert reason in refusals("norm_scale_shift", **arguments)["fast"]
+
+
+def test_old_nvidia_arch_is_refused(toy_registry):
+    with dispatch.simulated_device("sm_75"):
+        assert refusals("norm_scale_shift", **norm_arguments())["fast"] == "needs sm_80 or newer, got sm_75"
+
+
+@pytest.mark.parametrize("arch, expected", [("gfx942", "amd"), ("gfx90a", "reference")])
+def test_amd_archs(toy_registry, arch, expected):
+    with dispatch.simulated_device(arch):
+        assert chosen("norm_scale_shift", **norm_arguments()) == expected
+        reasons = refusals("norm_scale_shift", **norm_arguments())
+        assert reasons["fast"] == "runs on cuda, not rocm"
+        if arch == "gfx90a":
+            assert reasons["amd"] == "supports AMD gfx942, gfx950, not gfx90a"
+
+
+def test_rope_constraints(toy_registry):
+    q_shape = (64, 8, 128)
+    with dispatch.simulated_device("sm_90"):
+        neox = example_arguments("rope_", q_shape) | dict(interleaved=False)
+        assert chosen("rope_", **neox) == "fast"
+        assert refusals("rope_", **example_arguments("rope_", q_shape))["fast"] == "supports RoPE layouts ['neox'], got interleaved"
+        odd = example_arguments("rope_", (64, 8, 80)) | dict(interleaved=False)
+        assert refusals("rope_", **odd)["fast"] == "supports Dh in [64, 128], got Dh=80"
+
+
+def test_cpu_never_picks_a_gpu_backend(toy_registry):
+    reasons = refusals("norm_scale_shift", **norm_arguments())
+    assert reasons["fast"] == "needs a GPU"
+    assert reasons["reference"] is None
+
+
+# The selection cache.
+
+
+def test_selection_is_cached_by_features(toy_registry, monkeypatch):
+    checked = []
+    original = dispatch.registry.Implementation.refusal
+    monkeypatch.setattr(dispatch.registry.Implementation, "refusal", lambda self, f: checked.append(self.name) or original(self, f))
+    with dispatch.simulated_device("sm_90"):
+        ditops.norm_scale_shift(**norm_arguments())
+        assert checked == ["fast"]
+        ditops.norm_scale_shift(**norm_arguments())  # new tensors, same features: no new checks
+        assert checked == ["fast"]
+        ditops.norm_scale_shift(**norm_arguments(hidden=1004))  # another D: checked again
+        assert checked[:4] == ["fast", "fast", "amd", "reference"]
+        count = len(checked)
+        ditops.norm_scale_shift(**norm_arguments(hidden=1004))
+        assert len(checked) == count
+
+
+# Overrides.
+
+
+def test_backend_argument_forces(toy_registry):
+    with dispatch.simulated_device("sm_90"):
+        toy_backends.CALLS.clear()
+        ditops.norm_scale_shift(**norm_arguments(), backend="reference")
+        assert toy_backends.CALLS == []
+
+
+def test_forced_backend_that_refuses_raises_with_every_reason(toy_registry):
+    with dispatch.simulated_device("sm_90"), pytest.raises(ditops.BackendUnavailable) as error:
+        ditops.norm_scale_shift(**norm_arguments(hidden=1004), backend="fast")
+    message = str(error.value)
+    assert "backend 'fast' (forced by the backend= argument) cannot run this call" in message
+    assert "fast       refused: needs 16-byte aligned data pointers and strides, got 8-byte alignment, and needs D to be a multiple of 8, got D=1004" in message
+    assert "amd        refused: runs on cuda" not in message  # reasons are per candidate, in order
+    assert "amd        refused: runs on rocm, not cuda" in message
+    assert "reference  refused: not forced (fast is); it would accept" in message
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ditops.BackendUnavailable, match="backend 'nope' .* does not exist; known: reference"):
+        ditops.norm_scale_shift(**norm_arguments(), backend="nope")
+
+
+def test_use_backend_scopes_nest_and_take_per_op_settings(toy_registry):
+    with dispatch.simulated_device("sm_90"):
+        toy_backends.CALLS.clear()
+        with ditops.use_backend("reference"):
+            ditops.norm_scale_shift(**norm_arguments())
+            with ditops.use_backend(norm_scale_shift="fast"):
+                ditops.norm_scale_shift(**norm_arguments())
+                with pytest.raises(ditops.BackendUnavailable, match="forced by use_backend"):
+                    ditops.norm_scale_shift(**norm_arguments(hidden=1004))
+            ditops.norm_scale_shift(**norm_arguments())
+        assert toy_backends.CALLS == ["norm_scale_shift"]
+        with ditops.use_backend("reference"):
+            ditops.norm_scale_shift(**norm_arguments(), backend="fast")  # the call argument is stronger
+        assert toy_backends.CALLS == ["norm_scale_shift"] * 2
+
+
+def test_environment_variable_forces(toy_registry, monkeypatch):
+    monkeypatch.setenv("DITOPS_BACKEND", "rope=fast,norm_scale_shift=reference")
+    dispatch.load_config(toy_registry)
+    with dispatch.simulated_device("sm_90"):
+        assert chosen("norm_scale_shift", **norm_arguments()) == "reference"
+        with pytest.raises(ditops.BackendUnavailable, match="forced by DITOPS_BACKEND"):
+            ditops.rope_(**example_arguments("rope_", (8, 2, 128)))  # interleaved: fast refuses
+        with ditops.use_backend("fast"):  # the scope is stronger than the environment
+            assert chosen("norm_scale_shift", **norm_arguments()) == "fast"
+
+
+def test_bad_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv("DITOPS_BACKEND", "nosuchop=cuda")
+    with pytest.raises(ValueError, match="unknown op 'nosuchop'"):
+        dispatch.reset()
+
+
+def test_config_from_environment_variable(monkeypatch):
+    monkeypatch.setenv("DITOPS_CONFIG", str(pytest.importorskip("conftest").TESTS / "toy_registry.yaml"))
+    dispatch.reset()
+    with dispatch.simulated_device("sm_90"):
+        assert chosen("norm_scale_shift", **norm_arguments()) == "fast"
+
+
+def test_user_config_reorders_and_disables(toy_registry, tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text("ops:\n  norm_scale_shift: [reference]\n")
+    dispatch.load_config(config)
+    with dispatch.simulated_device("sm_90"):
+        assert chosen("norm_scale_shift", **norm_arguments()) == "reference"
+        config.write_text("disable: [reference, norm_scale_shift=amd]\n")
+        dispatch.reset()
+        dispatch.load_config(toy_registry)
+        dispatch.load_config(config)
+        assert [impl.name for impl in dispatch.dispatcher().implementations["norm_scale_shift"]] == ["fast"]
+        with pytest.raises(ditops.BackendUnavailable, match="no enabled implementation accepts this call"):
+            ditops.norm_scale_shift(**norm_arguments(hidden=1004))
+
+
+def test_prefer_moves_a_backend_first_for_every_op(toy_registry, tmp_path):
+    config = tmp_path / "prefer.yaml"
+    config.write_text("prefer: [reference]\n")
+    dispatch.load_config(config)
+    assert [impl.name for impl in dispatch.dispatcher().implementations["rope_"]] == ["reference", "fast"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("ops:\n  norm_scale_shift:\n    - backend: fast\n      hidden_multiple: 8\n", "unknown constraint 'hidden_multiple'"),
+        ("ops:\n  norm_scale_shift:\n    - backend: fast\n      dtypes: [bfloat17]\n", "'bfloat17' is not a torch dtype"),
+        ("ops:\n  norm_scale_shift: [ghost]\n", "backend 'ghost' is not defined"),
+        ("backend:\n  x: 1\n", "unknown top-level keys ['backend']"),
+        ("ops:\n  not_an_op: [reference]\n", "unknown op 'not_an_op'"),
+        ("backends:\n  x:\n    modul: y\n", "backend 'x' needs 'module'"),
+        ("ops: [", "cannot read ditops config"),
+    ],
+)
+def test_bad_config_is_rejected_and_leaves_the_registry_as_it_was(toy_registry, tmp_path, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    before = [impl.name for impl in dispatch.dispatcher().implementations["norm_scale_shift"]]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        dispatch.load_config(config)
+    assert [impl.name for impl in dispatch.dispatcher().implementations["norm_scale_shift"]] == before
+
+
+def test_unimportable_backend_is_refused_with_the_import_error(tmp_path):
+    config = tmp_path / "missing.yaml"
+    config.write_text("backends:\n  missing:\n    module: no_such_module\nops:\n  rope_: [missing]\n")
+    dispatch.load_config(config)
+    reasons = refusals("rope_", **example_arguments("rope_", (4, 2, 64)))
+    assert reasons["missing"].startswith("cannot import no_such_module: ModuleNotFoundError")
+    assert chosen("rope_", **example_arguments("rope_", (4, 2, 64))) == "reference"
+
+
+# Fallback warning and autograd.
+
+
+def test_fallback_to_reference_on_a_gpu_warns_once(toy_registry, caplog):
+    caplog.set_level(logging.INFO, logger="ditops")
+    with dispatch.simulated_device("sm_90"):
+        for _ in range(3):
+            ditops.norm_scale_shift(**norm_arguments(hidden=1004))
+        ditops.norm_scale_shift(**norm_arguments(), backend="reference")  # forced: no warning
+        ditops.explain("norm_scale_shift", **norm_arguments(hidden=1000))  # a query: no warning
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "norm_scale_shift runs on the slow reference backend" in warnings[0].getMessage()
+    assert "fast: needs 16-byte aligned data pointers and strides, got 8-byte alignment, and needs D to be a multiple of 8" in warnings[0].getMessage()
+
+
+def test_no_warning_on_cpu(caplog):
+    caplog.set_level(logging.INFO, logger="ditops")
+    ditops.norm_scale_shift(**norm_arguments())
+    assert not caplog.records
+
+
+def test_inputs_requiring_grad_go_to_an_autograd_backend(toy_registry, caplog):
+    caplog.set_level(logging.INFO, logger="ditops")
+    arguments = norm_arguments()
+    arguments["x"].requires_grad_(True)
+    with dispatch.simulated_device("sm_90"):
+        assert refusals("norm_scale_shift", **arguments)["fast"] == "is forward-only and an input requires grad"
+        y = ditops.norm_scale_shift(**arguments)
+        with pytest.raises(ditops.BackendUnavailable, match="forward-only"):
+            ditops.norm_scale_shift(**arguments, backend="fast")
+        with torch.no_grad():
+            assert chosen("norm_scale_shift", **arguments) == "fast"
+    y.float().sum().backward()
+    assert arguments["x"].grad is not None and arguments["x"].grad.abs().sum() > 0
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+
+
+def test_explain_prints_the_candidate_table(toy_registry):
+    with dispatch.simulated_device("sm_90"):
+        text = str(ditops.explain("norm_scale_shift", **norm_arguments(hidden=1004)))
+    assert text.splitlines()[0] == "ditops.norm_scale_shift -> reference"
+    assert "input: bfloat16 on cuda sm_90 [simulated], D=1004, norm=layer" in text
+    assert "fast       refused: needs 16-byte aligned data pointers and strides, got 8-byte alignment, and needs D to be a multiple of 8, got D=1004" in text
+    assert "reference  accepts" in text
+
+
+def test_explain_of_empty_input():
+    arguments = norm_arguments()
+    arguments["x"] = arguments["x"][:, :0]
+    assert "empty input" in str(ditops.explain("norm_scale_shift", **arguments))

@@ -1,0 +1,72 @@
+"""torch.library registration: opcheck of every op, and torch.compile(fullgraph=True) of a
+DiT-block-like function that keeps the ops as graph nodes and matches eager."""
+
+import pytest
+import torch
+
+import ditops
+from ditops.dispatch import OPS
+from ditops.examples import example_arguments
+from ditops.ops import ordered_arguments
+
+SMALL_SHAPES = {op: (2, 6, 48) for op in OPS} | {"qk_norm_rope_": (2, 6, 3, 32), "rope_": (10, 4, 64)}
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_opcheck(op, dtype):
+    arguments, _ = ordered_arguments(op, **example_arguments(op, SMALL_SHAPES[op], dtype))
+    torch.library.opcheck(getattr(torch.ops.ditops, op).default, (*arguments, None))
+
+
+def test_in_place_ops_declare_their_mutations():
+    for op in ("qk_norm_rope_", "rope_"):
+        schema = getattr(torch.ops.ditops, op).default._schema
+        mutated = [argument.name for argument in schema.arguments if argument.alias_info and argument.alias_info.is_write]
+        assert mutated == ["q", "k"]
+
+
+def dit_block(x, residual, q, k, modulation, weight, cache, gate_index):
+    """Norm, attention-side QK-norm + RoPE, gated residual, per-token selected modulation."""
+    shift, scale, gate = modulation[:, 0], modulation[:, 1], modulation[:, 2]
+    h = ditops.norm_scale_shift(x, scale, shift, weight=weight)
+    ditops.qk_norm_rope_(q, k, weight[:32], weight[32:64], cache, position_offset=2)
+    attention = (q.flatten(-2) + k.flatten(-2)).repeat(1, 1, 1)[..., : x.shape[-1]]
+    y, residual_out = ditops.residual_norm_scale_shift(h + attention, residual, gate, scale, shift, norm="rms")
+    z, gate_out = ditops.norm_scale_shift_select(y, gate_index, scale, shift, gate, shift, scale, gate)
+    out, w = ditops.add_gate_norm_scale(z, y, gate_out, scale, gate_act="tanh")
+    ditops.rope_(q, k, cache, interleaved=False, position_offset=2)
+    return out + w.sin(), residual_out, q, k
+
+
+def block_inputs():
+    generator = torch.Generator().manual_seed(7)
+    randn = lambda *shape: torch.randn(shape, generator=generator)  # noqa: E731
+    cache = ditops.rope_cos_sin_cache(16, 32)
+    index = (torch.rand((2, 6), generator=generator) > 0.5).long()
+    return (randn(2, 6, 96), randn(2, 6, 96), randn(2, 6, 3, 32), randn(2, 6, 3, 32), randn(2, 6, 96) * 0.1, randn(96), cache, index)
+
+
+def test_compile_fullgraph_matches_eager_with_no_graph_break():
+    eager = dit_block(*block_inputs())
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    graph_result = torch.compile(dit_block, backend=record, fullgraph=True)(*block_inputs())
+    assert len(graphs) == 1
+    targets = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
+    for op in ("norm_scale_shift", "qk_norm_rope_", "residual_norm_scale_shift", "norm_scale_shift_select", "add_gate_norm_scale", "rope_"):
+        assert getattr(torch.ops.ditops, op) in targets, f"{op} is not one node of the graph"
+    inductor_result = torch.compile(dit_block, fullgraph=True)(*block_inputs())
+    for expected, traced, inducted in zip(eager, graph_result, inductor_result):
+        torch.testing.assert_close(traced, expected, rtol=0, atol=0)
+        torch.testing.assert_close(inducted, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_call_validates_its_inputs():
+    compiled = torch.compile(lambda x, s: ditops.norm_scale_shift(x, s, s), fullgraph=True)
+    with pytest.raises(Exception, match="scale has shape \\[7\\]"):
+        compiled(torch.randn(2, 3, 8), torch.randn(7))

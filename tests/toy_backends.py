@@ -1,0 +1,34 @@
+"""Backends that exist only for the tests, plugged in through tests/toy_registry.yaml alone.
+
+``fast`` and ``amd`` are correct (they run the reference and record each call), ``broken``
+leaves the last row unwritten and ``sloppy`` is off by 1e-2: the conformance checker must
+catch both.
+"""
+
+from ditops.backends import reference
+
+CALLS = []
+
+
+def available(device):
+    return None if device.is_gpu else "needs a GPU"
+
+
+def norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
+    CALLS.append("norm_scale_shift")
+    return reference.norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y)
+
+
+def rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
+    CALLS.append("rope_")
+    return reference.rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset)
+
+
+def broken_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
+    rows = x.shape[-2] - 1
+    reference.norm_scale_shift(x[..., :rows, :], scale, shift, weight, bias, norm, eps, y[..., :rows, :])
+
+
+def sloppy_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
+    reference.norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y)
+    y.add_(1e-2)
