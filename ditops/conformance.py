@@ -400,8 +400,11 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device="cpu") -> Outc
             return Outcome("skip", refusal)
     expected = oracle(op, arguments, dtype)
     outputs = tuple(torch.full_like(t, float("nan")) for t in OPS[op].outputs(*ordered))
-    if features is not None:
-        implementation.function(*ordered, *outputs)
+    try:
+        if features is not None:
+            implementation.function(*ordered, *outputs)
+    except Exception as error:  # a crash on valid input is a failure of the backend, reported like one
+        return Outcome("fail", f"raised {type(error).__name__}: {error}")
     actual = _results(op, arguments, outputs)
     names = OUTPUT_NAMES[op]
     problems = [problem for name, a, e in zip(names, actual, expected) if (problem := compare(name, a, e, dtype))]

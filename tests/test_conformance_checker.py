@@ -1,0 +1,52 @@
+"""The conformance checker itself must catch wrong implementations (tests/broken_registry.yaml)."""
+
+import pytest
+import torch
+
+from conftest import TESTS
+from ditops import conformance, dispatch
+from ditops.backends import reference
+
+CASE = next(case for case in conformance.CASES if case.id == "norm_scale_shift-hunyuan-chunked-mod")
+
+
+@pytest.fixture
+def broken_backends():
+    dispatch.load_config(TESTS / "broken_registry.yaml")
+
+
+@pytest.mark.parametrize("dtype", conformance.DTYPES, ids=str)
+def test_unwritten_rows_fail(broken_backends, dtype):
+    outcome = conformance.run_case(CASE, "broken", dtype)
+    assert outcome.status == "fail"
+    assert "NaN where the reference has none (unwritten or wrong)" in outcome.detail
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_small_errors_fail_where_the_tolerance_is_tighter(broken_backends, dtype):
+    outcome = conformance.run_case(CASE, "sloppy", dtype)
+    assert outcome.status == "fail"
+    assert "elements off by more than" in outcome.detail
+
+
+def test_every_op_has_cases_with_the_required_variety():
+    names = {case.op: set() for case in conformance.CASES}
+    for case in conformance.CASES:
+        names[case.op].add(case.name)
+    assert set(names) == set(dispatch.OPS)
+    for op, cases in names.items():
+        assert {"misaligned", "empty"} <= cases, op
+    assert {"odd-d1000-token-mod", "per-frame", "strided-x", "expanded-mod", "nan-inf"} <= names["norm_scale_shift"]
+    assert {"llm-gqa-neox", "dh80-int32-positions", "dh96-mqa-neox", "partial-rotary", "qkv-views"} <= names["rope_"]
+
+
+def test_oracle_rounds_the_stored_residual_before_the_norm():
+    """y must be checked against the norm of residual_out as stored, per OPS.md."""
+    case = next(c for c in conformance.CASES if c.id == "residual_norm_scale_shift-wan1.3b-fp32-mod")
+    arguments = case.arguments(torch.bfloat16, "cpu")
+    y, residual_out = conformance.oracle(case.op, arguments, torch.bfloat16)
+    rounded = residual_out.to(torch.bfloat16).double()
+    assert not torch.equal(rounded, residual_out)
+    expected_y = reference.norm_scale_shift(rounded, arguments["scale"].double(), arguments["shift"].double(),
+                                            arguments["weight"].double(), arguments["bias"].double())
+    torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
