@@ -34,14 +34,18 @@ def fail(op: str, argument: str, got: str, wanted: str):
     raise ValueError(f"{op}: {argument} {got}; wanted {wanted}")
 
 
-def tensor(op: str, name: str, t, dtypes=ACTIVATION_DTYPES, device: Optional[int] = None) -> None:
-    """``t`` is a tensor of one of ``dtypes`` on the device whose ``get_device()`` is ``device``."""
+def tensor(op: str, name: str, t, dtypes=ACTIVATION_DTYPES, device: Optional[torch.device] = None) -> None:
+    """``t`` is a tensor of one of ``dtypes`` on ``device``.
+
+    Devices are compared as ``torch.device``: ``get_device()`` is -1 for CPU, meta and every
+    other non-CUDA device alike, so comparing indices would let a mix of those through.
+    """
     if not isinstance(t, torch.Tensor):
         fail(op, name, f"is a {type(t).__name__}", "a torch.Tensor")
     if t.dtype not in dtypes:
         fail(op, name, f"has dtype {_dtype_name(t.dtype)}", "one of " + ", ".join(map(_dtype_name, dtypes)))
-    if device is not None and t.get_device() != device:
-        fail(op, name, f"is on {t.device}", "the device of the first activation argument")
+    if device is not None and t.device != device:
+        fail(op, name, f"is on {t.device}", f"the device of the first activation argument, {device}")
 
 
 def same_shape(op: str, name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
@@ -81,7 +85,7 @@ def rows(op: str, name: str, x: torch.Tensor) -> RowShape:
     fail(op, name, f"has shape {_shape(x)}", "[B, S, D] or [N, D]")
 
 
-def modulation(op: str, name: str, t, x_rows: RowShape, device: int) -> str:
+def modulation(op: str, name: str, t, x_rows: RowShape, device: torch.device) -> str:
     """Checks a scale/shift/gate tensor against x and returns its form (OPS.md, "Modulation tensors").
 
     Forms: "scalar", "vector" (one [D] for all rows), "batch" (one per batch item),
@@ -111,7 +115,7 @@ def modulation(op: str, name: str, t, x_rows: RowShape, device: int) -> str:
     )
 
 
-def affine(op: str, name: str, t, hidden: int, device: int) -> None:
+def affine(op: str, name: str, t, hidden: int, device: torch.device) -> None:
     """An optional per-channel weight or bias of shape [hidden]."""
     if t is None:
         return
@@ -126,27 +130,27 @@ def norm_kind(op: str, norm: str, bias) -> None:
         fail(op, "bias", "is a tensor with norm='rms'", "None (RMSNorm has no bias)")
 
 
-def activation_pair(op: str, x_name: str, x, other_name: str, other) -> int:
-    """Checks two activations of the same shape and dtype; returns the device index of x."""
+def activation_pair(op: str, x_name: str, x, other_name: str, other) -> torch.device:
+    """Checks two activations of the same shape and dtype; returns the device of x."""
     tensor(op, x_name, x)
-    device = x.get_device()
+    device = x.device
     tensor(op, other_name, other, ACTIVATION_DTYPES, device)
     same_shape(op, other_name, other, x_name, x)
     same_dtype(op, other_name, other, x_name, x)
     return device
 
 
-def selection_index(op: str, index, x_rows: RowShape, device: int) -> None:
+def selection_index(op: str, index, x_rows: RowShape, device: torch.device) -> None:
     if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype.is_complex:
         got = f"has dtype {_dtype_name(index.dtype)}" if isinstance(index, torch.Tensor) else f"is a {type(index).__name__}"
         fail(op, "index", got, "an integer or bool tensor of 0/1")
-    if index.get_device() != device:
-        fail(op, "index", f"is on {index.device}", "the device of x")
+    if index.device != device:
+        fail(op, "index", f"is on {index.device}", f"the device of x, {device}")
     if tuple(index.shape) != (x_rows.batch, x_rows.tokens):
         fail(op, "index", f"has shape {_shape(index)}", f"[B, S] = [{x_rows.batch}, {x_rows.tokens}]")
 
 
-def per_batch(op: str, name: str, t, x_rows: RowShape, device: int) -> None:
+def per_batch(op: str, name: str, t, x_rows: RowShape, device: torch.device) -> None:
     """A modulation tensor of the select ops: exactly [B, D]."""
     tensor(op, name, t, ACTIVATION_DTYPES, device)
     if tuple(t.shape) != (x_rows.batch, x_rows.hidden):
@@ -161,7 +165,7 @@ class HeadShape(NamedTuple):
     rotary_dim: int
 
 
-def _heads(op: str, name: str, t, device: Optional[int]) -> None:
+def _heads(op: str, name: str, t, device: Optional[torch.device]) -> None:
     tensor(op, name, t, ACTIVATION_DTYPES, device)
     if t.dim() not in (3, 4):
         fail(op, name, f"has shape {_shape(t)}", "[T, H, Dh] or [B, S, H, Dh]")
@@ -182,7 +186,7 @@ def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, 
     ``read_values=False`` skips the check of position values (fake tensors have none).
     """
     _heads(op, "q", q, None)
-    device = q.get_device()
+    device = q.device
     leading = tuple(q.shape[:-2])
     head_size = q.shape[-1]
     if k is not None:
@@ -222,8 +226,9 @@ def _positions(op, positions, leading, cache_positions, position_offset, device,
         fail(op, "positions", f"has shape {_shape(positions)}", f"q's leading shape {list(leading)}")
     if position_offset:
         fail(op, "position_offset", f"is {position_offset} with positions given", "0 (the offset applies only when positions is None)")
-    # Reading the values needs a device sync, so on a GPU this runs only when asked for.
-    if read_values and positions.numel() and (device < 0 or debug_checks()):
+    # Reading the values needs a device sync, so on a GPU this runs only when asked for
+    # (and meta tensors have no values to read).
+    if read_values and positions.numel() and device.type != "meta" and (device.type == "cpu" or debug_checks()):
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or high >= cache_positions:
             fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {cache_positions}) (rows of cos_sin_cache)")
