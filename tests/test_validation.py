@@ -323,3 +323,15 @@ def test_residual_norm_scale_shift_leaves_inputs_unchanged(changes):
         ditops.residual_norm_scale_shift(**arguments)
     for name, t in before.items():
         assert torch.equal(arguments[name], t), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: position values on a GPU are read only with DITOPS_DEBUG=1")
+def test_gpu_position_range_is_checked_in_debug_mode(monkeypatch):
+    def arguments():
+        q, k = randn(4, 2, 8).cuda(), randn(4, 2, 8).cuda()
+        return dict(q=q, k=k, cos_sin_cache=ditops.rope_cos_sin_cache(4, 8, device="cuda"),
+                    positions=torch.tensor([0, 1, 2, 9], device="cuda"))
+
+    monkeypatch.setenv("DITOPS_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"positions has values in \[0, 9\]; wanted values in \[0, 4\)"):
+        ditops.rope_(**arguments())
