@@ -28,6 +28,8 @@ def rope_cos_sin_cache(
     computed in float64, then rounded once to ``dtype``.
     """
     if isinstance(positions, int):
+        if positions < 0:
+            raise ValueError(f"rope_cos_sin_cache: positions is {positions}; wanted a count P >= 0 or a tensor [N] or [N, A]")
         positions = torch.arange(positions, device=device)
     if positions.dim() == 1:
         positions = positions[:, None]
@@ -38,6 +40,11 @@ def rope_cos_sin_cache(
             f"rope_cos_sin_cache: positions has shape {list(positions.shape)} with {len(axes_dims)} axis dims "
             f"and {len(thetas)} thetas; wanted [N] or P with one rotary_dim, or [N, A] with A rotary dims and thetas"
         )
+    if not axes_dims:
+        raise ValueError("rope_cos_sin_cache: rotary_dim is an empty list; wanted at least one even size > 0")
+    for axis_theta in thetas:
+        if not axis_theta > 0:
+            raise ValueError(f"rope_cos_sin_cache: theta {theta!r} has an entry {axis_theta}; wanted values > 0")
     for dims in axes_dims:
         if dims <= 0 or dims % 2:
             raise ValueError(f"rope_cos_sin_cache: rotary_dim {rotary_dim!r} has an entry {dims}; wanted even sizes > 0")
