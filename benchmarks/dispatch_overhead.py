@@ -1,10 +1,13 @@
 """Host cost of ditops' dispatch: a public op call versus calling its implementation directly.
 
-For each op, on tiny tensors (so that the op's own work is small and constant):
+For each op, on tiny tensors:
 - direct: allocate the outputs and call the selected implementation (what any caller must do);
-- public: ``ditops.<op>(...)``: validation, cached selection, allocation, the same call;
-- overhead = public - direct, and its two parts measured alone: validation + features, selection;
-- custom op: ``torch.ops.ditops.<op>`` (torch's dispatcher, the path under torch.compile).
+- public: ``ditops.<op>(...)``: call signature, cached validation and selection, allocation, the same call;
+- overhead = public - direct, measured with the implementation swapped for a no-op, so that
+  the reference's own time (tens of microseconds of small kernels) does not hide it;
+- first call: validation, features and selection as on a cache miss;
+- custom op: ``torch.ops.ditops.<op>`` (torch's dispatcher, the path under torch.compile),
+  with the real implementation, beside the public call with it.
 Each figure is the minimum over repeats of the mean of many calls (the least-disturbed
 estimate of a fixed host cost). Usage: python benchmarks/dispatch_overhead.py [--device cuda]
 """
@@ -39,10 +42,6 @@ def measure(op: str, device: str, number: int, repeat: int) -> dict:
     implementation = select(op, features)
     public = PUBLIC[op]
     library_op = getattr(torch.ops.ditops, op)
-
-    def direct():
-        implementation.function(*arguments, *spec.outputs(*arguments))
-
     synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def timed(function):
@@ -53,18 +52,25 @@ def measure(op: str, device: str, number: int, repeat: int) -> dict:
         run()
         return microseconds(run, number, repeat)
 
+    def direct():
+        implementation.function(*arguments, *spec.outputs(*arguments))
+
     result = dict(
         op=op,
         implementation=implementation.name,
-        direct_us=timed(direct),
         public_us=timed(lambda: public(**keywords)),
         custom_op_us=timed(lambda: library_op(*arguments, None)),
-        validation_us=microseconds(lambda: spec.check(*arguments), number, repeat),
-        selection_us=microseconds(lambda: select(op, features), number, repeat),
+        first_call_us=microseconds(lambda: (spec.check(*arguments), select(op, spec.check(*arguments))), number, repeat),
     )
-    result["overhead_us"] = result["public_us"] - result["direct_us"]
+    real_function = implementation.function
+    implementation.__dict__["function"] = lambda *_: None  # a no-op kernel: what remains is overhead
+    try:
+        result["noop_direct_us"] = microseconds(direct, number, repeat)
+        result["noop_public_us"] = microseconds(lambda: public(**keywords), number, repeat)
+    finally:
+        implementation.__dict__["function"] = real_function
+    result["overhead_us"] = result["noop_public_us"] - result["noop_direct_us"]
     return result
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,12 +81,12 @@ def main() -> None:
     arguments = parser.parse_args()
     rows = [measure(op, arguments.device, arguments.number, arguments.repeat) for op in OPS]
     print(f"dispatch overhead on {arguments.device} ({platform.processor() or platform.machine()}), torch {torch.__version__}, ditops {ditops.__version__}")
-    header = ("op", "impl", "direct us", "public us", "overhead us", "validate+features us", "select us", "torch.ops us")
+    header = ("op", "impl", "dispatch overhead us", "no-op direct us", "no-op public us", "first call us", "public us", "torch.ops us")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
+    keys = ("overhead_us", "noop_direct_us", "noop_public_us", "first_call_us", "public_us", "custom_op_us")
     for row in rows:
-        values = (row["direct_us"], row["public_us"], row["overhead_us"], row["validation_us"], row["selection_us"], row["custom_op_us"])
-        print(f"| {row['op']} | {row['implementation']} | " + " | ".join(f"{value:.2f}" for value in values) + " |")
+        print(f"| {row['op']} | {row['implementation']} | " + " | ".join(f"{row[key]:.2f}" for key in keys) + " |")
     if arguments.json:
         with open(arguments.json, "w") as file:
             json.dump(dict(device=arguments.device, torch=torch.__version__, rows=rows), file, indent=1)

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from . import validation as check
-from .dispatch import Features, describe, select
-from .dispatch.selector import candidates, choose, format_table
+from .dispatch import Features, describe
+from .dispatch.selector import candidates, choose, format_table, resolve
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -37,13 +37,16 @@ class Op:
     outputs: Callable  # (*arguments) -> tuple of new tensors for the backend to fill
     schema: str  # torch.library schema; its last argument is the backend override
     mutates: tuple = ()
+    check_values: Optional[Callable] = None  # (*arguments): checks that read tensor values, run on every call
 
     def run(self, arguments: tuple, backend: Optional[str]) -> tuple:
         """The eager path: what the registered op does too."""
-        features = self.check(*arguments)
+        implementation = resolve(self.name, arguments, backend, self.check)
+        if self.check_values is not None:
+            self.check_values(*arguments)
         outputs = self.outputs(*arguments)
-        if features is not None:
-            select(self.name, features, backend).function(*arguments, *outputs)
+        if implementation is not None:
+            implementation.function(*arguments, *outputs)
         return outputs
 
     def __call__(self, arguments: tuple, backend: Optional[str]) -> tuple:
@@ -192,7 +195,7 @@ def _check_qk_norm_rope(
     op = "qk_norm_rope_"
     if k is None:
         check.fail(op, "k", "is None", "a tensor (only rope_ takes k=None)")
-    heads = check.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, describe_call)
+    heads = check.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
     device = q.device
     check.affine(op, "q_weight", q_weight, heads.head_size, device)
     check.affine(op, "k_weight", k_weight, heads.head_size, device)
@@ -210,7 +213,7 @@ def _check_qk_norm_rope(
 def _check_rope(
     q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, describe_call=True
 ) -> Optional[Features]:
-    heads = check.heads("rope_", q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, describe_call)
+    heads = check.heads("rope_", q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
     if describe_call and q.numel():
         return describe(
             (q, k) if k is not None else (q,),
@@ -219,6 +222,14 @@ def _check_rope(
             rotary_dim=heads.rotary_dim,
             interleaved=interleaved,
         )
+
+
+def _qk_norm_rope_values(q, k, q_weight, k_weight, cos_sin_cache, positions, *_):
+    check.position_values("qk_norm_rope_", positions, cos_sin_cache)
+
+
+def _rope_values(q, k, cos_sin_cache, positions, *_):
+    check.position_values("rope_", positions, cos_sin_cache)
 
 
 def _one_like_x(x, *_):
@@ -288,6 +299,7 @@ OPS = {
             f"(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, {_ROPE}, float eps, SymInt position_offset, "
             "str? backend) -> ()",
             mutates=("q", "k"),
+            check_values=_qk_norm_rope_values,
         ),
         Op(
             "rope_",
@@ -295,6 +307,7 @@ OPS = {
             _in_place,
             f"(Tensor(a!) q, Tensor(b!)? k, {_ROPE}, SymInt position_offset, str? backend) -> ()",
             mutates=("q", "k"),
+            check_values=_rope_values,
         ),
     )
 }

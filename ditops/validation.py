@@ -180,10 +180,10 @@ def _heads(op: str, name: str, t, device: Optional[torch.device]) -> None:
             fail(op, name, f"is expanded (stride 0) along dimension {dim}", "a tensor that can be written in place")
 
 
-def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, read_values=True) -> HeadShape:
+def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved) -> HeadShape:
     """Checks the arguments shared by the RoPE ops (OPS.md, "RoPE details").
 
-    ``read_values=False`` skips the check of position values (fake tensors have none).
+    Reads no tensor values (see ``position_values``), so its verdict depends on metadata alone.
     """
     _heads(op, "q", q, None)
     device = q.device
@@ -216,22 +216,30 @@ def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, 
                 f"at least position_offset + S = {position_offset} + {tokens} rows",
             )
     else:
-        _positions(op, positions, leading, cache_positions, position_offset, device, read_values)
+        _positions(op, positions, leading, position_offset, device)
     return HeadShape(leading, head_size, cache_dims)
 
 
-def _positions(op, positions, leading, cache_positions, position_offset, device, read_values) -> None:
+def _positions(op, positions, leading, position_offset, device) -> None:
     tensor(op, "positions", positions, (torch.int32, torch.int64), device)
     if tuple(positions.shape) != leading:
         fail(op, "positions", f"has shape {_shape(positions)}", f"q's leading shape {list(leading)}")
     if position_offset:
         fail(op, "position_offset", f"is {position_offset} with positions given", "0 (the offset applies only when positions is None)")
-    # Reading the values needs a device sync, so on a GPU this runs only when asked for
-    # (and meta tensors have no values to read).
-    if read_values and positions.numel() and device.type != "meta" and (device.type == "cpu" or debug_checks()):
+
+
+def position_values(op: str, positions, cos_sin_cache) -> None:
+    """Positions must index rows of the cache. Reading them on a GPU synchronizes, so there
+    this runs only with DITOPS_DEBUG=1; meta tensors have no values to read. Unlike the
+    other checks it runs on every call, since its verdict depends on values."""
+    if positions is None or not positions.numel():
+        return
+    kind = positions.device.type
+    if kind == "cpu" or kind != "meta" and debug_checks():
         low, high = int(positions.min()), int(positions.max())
-        if low < 0 or high >= cache_positions:
-            fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {cache_positions}) (rows of cos_sin_cache)")
+        rows = cos_sin_cache.shape[0]
+        if low < 0 or high >= rows:
+            fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {rows}) (rows of cos_sin_cache)")
 
 
 def debug_checks() -> bool:

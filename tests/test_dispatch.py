@@ -318,3 +318,18 @@ def test_explain_of_empty_input():
     arguments = norm_arguments()
     arguments["x"] = arguments["x"][:, :0]
     assert "empty input" in str(ditops.explain("norm_scale_shift", **arguments))
+
+
+def test_cached_calls_still_check_what_the_signature_does_not_hold():
+    """Validation is cached per call signature; values (positions) are checked on every call,
+    and arguments equal in value but not in type (True, 1) do not share a cache entry."""
+    arguments = example_arguments("rope_", (6, 2, 64))
+    arguments["positions"] = torch.tensor([0, 1, 2, 3, 4, 5])
+    ditops.rope_(**arguments)
+    arguments["positions"] = torch.tensor([0, 1, 2, 3, 4, 6])  # same metadata, row 6 is past the cache
+    with pytest.raises(ValueError, match=r"positions has values in \[0, 6\]"):
+        ditops.rope_(**arguments)
+    arguments["positions"] = None
+    ditops.rope_(**arguments, interleaved=True)
+    with pytest.raises(ValueError, match="interleaved is 1; wanted True or False"):
+        ditops.rope_(**arguments, interleaved=1)

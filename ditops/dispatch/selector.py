@@ -14,9 +14,13 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
-from .features import Features
+import torch
+from torch import Tensor
+
+from . import device as device_module
+from .features import MAX_ALIGNMENT, Features
 from .registry import BUILTIN_REGISTRY, OPS, Implementation, Registry, op_name
 
 logger = logging.getLogger("ditops")
@@ -50,7 +54,7 @@ class _Dispatcher:
         self.registry = registry
         self.implementations = {op: registry.implementations(op) for op in OPS}
         self.env_forced = parse_backend_setting(os.environ.get("DITOPS_BACKEND", ""), "DITOPS_BACKEND")
-        self.cache: dict = {}
+        self.calls: dict = {}  # call_signature -> Implementation (see resolve)
         self.warned: set = set()
 
 
@@ -137,18 +141,52 @@ def candidates(op: str, features: Features) -> list:
     return [Candidate(impl.name, impl.refusal(features)) for impl in dispatcher().implementations[op]]
 
 
-def select(op: str, features: Features, backend: Optional[str] = None) -> Implementation:
-    """The implementation that runs a call with these features (cached per features and override)."""
+_MISSING = object()
+
+
+def call_signature(op: str, arguments: tuple, backend: Optional[str]) -> tuple:
+    """Everything validation and the constraints read from a call: each tensor's shape,
+    strides, dtype, device, pointer alignment and requires_grad, the other arguments (with
+    their types: True and 1 validate differently), grad mode, overrides, simulation.
+    Tensor values are not in it: no check depends on them but ``position_values``."""
     state = _dispatcher or dispatcher()
-    overridden = backend is not None or _scopes.stack or state.env_forced
-    forced = forced_backend(op, backend)[0] if overridden else None
-    key = (op, forced, features)
-    implementation = state.cache.get(key)
-    if implementation is None:
-        implementation = choose(op, features, backend)
-        if forced is None:
-            _log_fallback(state, op, implementation, features)
-        state.cache[key] = implementation
+    forced = forced_backend(op, backend)[0] if backend is not None or _scopes.stack or state.env_forced else None
+    parts = [op, forced, torch.is_grad_enabled(), device_module._simulation.device]
+    for argument in arguments:
+        if isinstance(argument, Tensor):
+            pointer_bits = argument.data_ptr() & (MAX_ALIGNMENT - 1)
+            parts.append((argument.shape, argument.stride(), argument.dtype, argument.device, pointer_bits, argument.requires_grad))
+        else:
+            parts.append((type(argument), argument))
+    return tuple(parts)
+
+
+def resolve(op: str, arguments: tuple, backend: Optional[str], check: Callable) -> Optional[Implementation]:
+    """The implementation for a call, after validation; None for an empty input (nothing to run).
+
+    ``check(*arguments)`` validates (raising ValueError) and returns the call's Features.
+    Its verdict and the selection depend only on ``call_signature``, so both are cached per
+    signature: a repeated call costs the signature and one dictionary lookup.
+    """
+    state = _dispatcher or dispatcher()
+    key = call_signature(op, arguments, backend)
+    try:
+        implementation = state.calls.get(key, _MISSING)
+    except TypeError:  # an unhashable argument: validation will name it
+        key, implementation = None, _MISSING
+    if implementation is _MISSING:
+        features = check(*arguments)
+        implementation = None if features is None else select(op, features, backend)
+        if key is not None:
+            state.calls[key] = implementation
+    return implementation
+
+
+def select(op: str, features: Features, backend: Optional[str] = None) -> Implementation:
+    """The implementation that runs a call with these features; logs a fallback once."""
+    implementation = choose(op, features, backend)
+    if forced_backend(op, backend)[0] is None:
+        _log_fallback(dispatcher(), op, implementation, features)
     return implementation
 
 
