@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 import toy_backends
+from conftest import TESTS
 
 import ditops
 from ditops import dispatch
@@ -209,7 +210,7 @@ def test_bad_environment_variable_is_named(monkeypatch):
 
 
 def test_config_from_environment_variable(monkeypatch):
-    monkeypatch.setenv("DITOPS_CONFIG", str(pytest.importorskip("conftest").TESTS / "toy_registry.yaml"))
+    monkeypatch.setenv("DITOPS_CONFIG", str(TESTS / "toy_registry.yaml"))
     dispatch.reset()
     with dispatch.simulated_device("sm_90"):
         assert chosen("norm_scale_shift", **norm_arguments()) == "fast"
@@ -333,3 +334,25 @@ def test_cached_calls_still_check_what_the_signature_does_not_hold():
     ditops.rope_(**arguments, interleaved=True)
     with pytest.raises(ValueError, match="interleaved is 1; wanted True or False"):
         ditops.rope_(**arguments, interleaved=1)
+
+
+SIMULATED_PICKS = {
+    "sm_90": ("nvidia_kernels", {"amd_kernels": "runs on rocm, not cuda"}),
+    "gfx942": ("amd_kernels", {"nvidia_kernels": "runs on cuda, not rocm"}),
+    "gfx90a": ("reference", {"nvidia_kernels": "runs on cuda, not rocm", "amd_kernels": "supports AMD gfx942, not gfx90a"}),
+}
+
+
+@pytest.mark.parametrize("arch", SIMULATED_PICKS)
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_every_op_on_simulated_devices(op, arch):
+    """What each op picks on NVIDIA sm_90, AMD gfx942 and AMD gfx90a, and why the others refused."""
+    dispatch.load_config(TESTS / "simulated_registry.yaml")
+    expected, reasons = SIMULATED_PICKS[arch]
+    with dispatch.simulated_device(arch):
+        shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
+        explanation = ditops.explain(op, **example_arguments(op, shape))
+        assert explanation.selected == expected
+        refused = {row.backend: row.refusal for row in explanation.candidates if row.refusal}
+        assert refused == reasons
+        assert ditops.explain(op, **example_arguments(op, shape, torch.float32)).selected == "reference"

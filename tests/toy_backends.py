@@ -1,11 +1,20 @@
-"""Backends that exist only for the tests, plugged in through tests/toy_registry.yaml alone.
+"""Backends that exist only for the tests, plugged in through YAML alone (tests/*_registry.yaml).
 
-``fast`` and ``amd`` are correct (they run the reference and record each call), ``broken``
+``fast`` and ``amd`` are correct (they run the reference and record some calls), ``broken``
 leaves the last row unwritten and ``sloppy`` is off by 1e-2: the conformance checker must
-catch both.
+catch both. The ops not defined here are the reference's, imported for the simulated
+per-vendor backends of tests/simulated_registry.yaml.
 """
 
 from ditops.backends import reference
+from ditops.backends.reference import (  # noqa: F401 (served to the registry by name)
+    add_gate_norm,
+    add_gate_norm_scale,
+    norm_scale_shift_select,
+    qk_norm_rope_,
+    residual_norm_scale_shift,
+    residual_norm_scale_shift_select,
+)
 
 CALLS = []
 
