@@ -1,4 +1,4 @@
-"""The ``ditops`` command: info, explain, check."""
+"""The ``ditops`` command: info, explain, check, bench."""
 
 from __future__ import annotations
 
@@ -104,6 +104,27 @@ def check(arguments) -> int:
     return 1 if failures else 0
 
 
+def bench(arguments) -> int:
+    from . import bench as benchmark
+
+    rows, info, paths = benchmark.run(
+        ops=arguments.ops,
+        shapes=arguments.shapes,
+        backends=arguments.backends,
+        quick=arguments.quick,
+        dtype=arguments.dtype,
+        output=arguments.output,
+        plots=not arguments.no_plots,
+    )
+    print(f"\n{info['device']}: copy bandwidth {info['copy_gbps']:.0f} GB/s; torch {info['torch']}, triton {info['triton']}")
+    for peer, status in info["peers"].items():
+        print(f"  peer {peer}: {status}")
+    print(benchmark.report.table(rows))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ditops", description="Fused ops for diffusion transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +144,16 @@ def main(argv=None) -> int:
     check_parser.add_argument("--device", help="torch device to test on (default: cuda if present, else cpu)")
     check_parser.add_argument("--dtypes", type=_dtype, nargs="+", default=list(conformance.DTYPES))
     check_parser.set_defaults(run=check)
+
+    bench_parser = commands.add_parser("bench", help="time every op at real model shapes against eager, torch.compile and peers")
+    bench_parser.add_argument("--quick", action="store_true", help="one real shape and the latency case per op (under a minute)")
+    bench_parser.add_argument("--ops", nargs="+", help="only these ops")
+    bench_parser.add_argument("--shapes", nargs="+", help="only cases whose model or shape contains one of these")
+    bench_parser.add_argument("--backends", nargs="+", help="only these candidates (reference, eager, torch.compile, liger, ...)")
+    bench_parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
+    bench_parser.add_argument("--output", default="benchmarks/results", help="folder for the JSON, CSV and PNG files")
+    bench_parser.add_argument("--no-plots", action="store_true")
+    bench_parser.set_defaults(run=bench)
 
     arguments = parser.parse_args(argv)
     try:

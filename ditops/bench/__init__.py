@@ -1,0 +1,187 @@
+"""``ditops bench``: every op at real model shapes, every backend the dispatcher can run here,
+against eager PyTorch, torch.compile and the peer libraries.
+
+Each result: microseconds per call (CUDA-graph replay, cold L2; and eager, with host
+overhead), the fewest bytes the op must move, GB/s, percent of the device-to-device copy
+bandwidth measured in the same run, and speedups against eager and torch.compile. Every
+timed candidate is first checked against the reference on the same inputs.
+Output: a printed table, and JSON, CSV and PNG files under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .. import __version__, dispatch, explain
+from ..conformance import TOLERANCES
+from ..ops import PUBLIC
+from . import baselines, report, timing
+from .cases import CASES, BenchCase, cpu_case, minimum_bytes
+
+DEFAULT_OUTPUT = Path("benchmarks") / "results"
+
+
+def select_cases(ops: Optional[Iterable[str]] = None, shapes: Optional[Iterable[str]] = None, quick: bool = False) -> list:
+    """The cases kept by the filters: op names, substrings of the model or shape, --quick."""
+    ops = {dispatch.op_name(op) for op in ops} if ops else None
+    shapes = list(shapes or [])
+    return [
+        case
+        for case in CASES
+        if (ops is None or case.op in ops)
+        and (not quick or case.quick)
+        and (not shapes or any(text in case.model or text in case.shape for text in shapes))
+    ]
+
+
+def _clone(arguments: dict) -> dict:
+    return {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in arguments.items()}
+
+
+def _outputs(result) -> tuple:
+    """A call's output tensors (ditops' in-place RoPE ops return q and k; k may be None)."""
+    if isinstance(result, torch.Tensor):
+        return (result,)
+    return tuple(t for t in result if t is not None)
+
+
+def candidates(case: BenchCase, arguments: dict, wanted: Optional[set]) -> list:
+    """(name, make_call or None, note): make_call(arguments) returns a zero-argument callable."""
+    op = case.op
+    found = []
+    for row in explain(op, **arguments).candidates:
+        if row.refusal is None:
+            found.append((row.backend, lambda a, name=row.backend: (lambda: PUBLIC[op](**a, backend=name)), ""))
+    eager = baselines.EAGER[op]
+    found.append(("eager", lambda a: (lambda: eager(**a)), ""))
+    compiled = torch.compile(eager, dynamic=False, fullgraph=True)
+    found.append(("torch.compile", lambda a: (lambda: compiled(**a)), ""))
+    for peer, status in baselines.peer_status().items():
+        adapter = baselines.PEERS[peer][1]
+        if status.startswith("missing") or adapter is None:
+            found.append((peer, None, status))
+        elif adapter(op, arguments) is None:
+            found.append((peer, None, "no equivalent op for this call"))
+        else:
+            found.append((peer, lambda a, adapter=adapter: adapter(op, a), ""))
+    return [item for item in found if wanted is None or item[0] in wanted]
+
+
+def _check(call: Callable, expected: tuple, dtype: torch.dtype) -> tuple:
+    """(correct, max abs error) of one call's outputs against the reference's."""
+    actual = _outputs(call())
+    if len(actual) != len(expected):
+        return False, None
+    tolerance = 2 * TOLERANCES[dtype]
+    worst, correct = 0.0, True
+    for got, want in zip(actual, expected):
+        got, want = got.float().reshape(want.shape), want.float()
+        worst = max(worst, (got - want).abs().nan_to_num(nan=float("inf")).max().item())
+        correct = correct and torch.allclose(got, want, rtol=tolerance, atol=tolerance)
+    return correct, worst
+
+
+def run_case(case: BenchCase, device: str, dtype: torch.dtype, wanted: Optional[set], l2_bytes: int) -> list:
+    def generator(seed):
+        return torch.Generator(device=device).manual_seed(seed)
+
+    first = case.build(device, dtype, generator(0))
+    size = minimum_bytes(case.op, first)
+    sets = [first] + [case.build(device, dtype, generator(seed)) for seed in range(1, timing.rotation_sets(size, l2_bytes))]
+    pristine = _clone(first)  # the in-place RoPE ops rotate the timed sets: checks start from this copy
+    expected = _outputs(PUBLIC[case.op](**_clone(pristine), backend="reference"))
+    rows = []
+    for name, make_call, note in candidates(case, first, wanted):
+        row = dict(op=case.op, model=case.model, shape=case.shape, dtype=str(dtype).removeprefix("torch."), candidate=name, bytes=size, note=note)
+        rows.append(row)
+        if make_call is None:
+            continue
+        try:
+            row["correct"], row["max_error"] = _check(make_call(_clone(pristine)), expected, dtype)
+            calls = [make_call(arguments) for arguments in sets]
+            if device == "cpu":
+                row["us"], row["spread_pct"] = timing.host(calls)
+            else:
+                row["us"], row["spread_pct"] = timing.cuda_graph(calls)
+                row["eager_us"] = timing.cuda_eager(calls).us
+        except Exception as error:  # a candidate that fails here is reported, and the run goes on
+            row["note"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    return rows
+
+
+def metadata(device: str, copy_gbps: float, l2_bytes: int, quick: bool) -> dict:
+    import triton
+
+    info = dict(
+        date=datetime.date.today().isoformat(),
+        ditops=__version__,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        hip=torch.version.hip,
+        python=platform.python_version(),
+        copy_gbps=copy_gbps,
+        l2_bytes=l2_bytes,
+        quick=quick,
+        timing="CUDA-graph replay, inputs rotated over more than 2x L2, median of 15" if device != "cpu" else "CPU wall clock",
+        peers=baselines.peer_status(),
+    )
+    if device == "cpu":
+        info.update(device=f"CPU ({platform.processor() or platform.machine()})", driver=None)
+    else:
+        properties = torch.cuda.get_device_properties(0)
+        info.update(device=properties.name, driver=_driver_version(), arch=str(dispatch.current_device()))
+    return info
+
+
+def _driver_version() -> Optional[str]:
+    try:
+        import subprocess
+
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        ).stdout.strip().splitlines()[0]
+    except Exception:  # no nvidia-smi (ROCm, containers): the driver is then not recorded
+        return None
+
+
+def run(
+    ops=None,
+    shapes=None,
+    backends=None,
+    quick: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    output: Path = DEFAULT_OUTPUT,
+    plots: bool = True,
+    write_files: bool = True,
+) -> tuple:
+    """Runs the benchmark; returns (rows, metadata, paths written)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = select_cases(ops, shapes, quick)
+    if device == "cpu":
+        print("No GPU here: running the reference and the baselines on the CPU at small stand-in shapes.")
+        print("These are not GPU numbers; GPU numbers need a GPU.\n")
+        cases = [cpu_case(case) for case in cases]
+        l2_bytes = 32 << 20
+    else:
+        l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    copy_gbps = timing.copy_bandwidth_gbps(device, (1 << 30) if device != "cpu" else (64 << 20))
+    wanted = set(backends) if backends else None
+    rows = []
+    for case in cases:
+        print(f"{case.op}  {case.model}  {case.shape}", flush=True)
+        rows += run_case(case, device, dtype, wanted, l2_bytes)
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    report.add_derived(rows, copy_gbps)
+    info = metadata(device, copy_gbps, l2_bytes, quick)
+    paths = []
+    if write_files:
+        stem = f"{report.slug(info['device'])}_{info['date']}" + ("_quick" if quick else "")
+        paths = report.write(rows, info, Path(output), stem, plots)
+    return rows, info, paths

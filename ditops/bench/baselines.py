@@ -1,0 +1,170 @@
+"""What ditops is measured against: the unfused PyTorch a model would write ("eager"),
+``torch.compile`` of that same code, and the peer libraries where they have the op.
+
+Each baseline takes the keyword arguments of ``ditops.<op>`` and returns new tensors
+(the models' code is out of place). Modulation follows torch type promotion as the
+models do: float32 modulation (Wan) makes the math float32, cast back at the end.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _per_token(t: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
+    """[B, D] modulation broadcast over tokens as models write it: t[:, None]; 3-D stays."""
+    if t is None or t.dim() != 2:
+        return t
+    return t.unsqueeze(1) if x.dim() == 3 else t
+
+
+def _norm(v, weight, bias, norm, eps):
+    hidden = (v.shape[-1],)
+    if norm == "rms":
+        return F.rms_norm(v, hidden, weight, eps)
+    return F.layer_norm(v, hidden, weight, bias, eps)
+
+
+def norm_scale_shift(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6):
+    y = _norm(x, weight, bias, norm, eps) * (1 + _per_token(scale, x)) + _per_token(shift, x)
+    return y.to(x.dtype)
+
+
+def residual_norm_scale_shift(x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6):
+    residual_out = (residual + _per_token(gate, x) * x).to(x.dtype)
+    y = _norm(residual_out, weight, bias, norm, eps) * (1 + _per_token(scale, x)) + _per_token(shift, x)
+    return y.to(x.dtype), residual_out
+
+
+def _select(index, set0, set1):
+    return torch.where(index.bool().unsqueeze(-1), set1.unsqueeze(1), set0.unsqueeze(1))
+
+
+def norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight=None, bias=None, eps=1e-6):
+    y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps) * (1 + _select(index, scale0, scale1)) + _select(index, shift0, shift1)
+    return y.to(x.dtype), _select(index, gate0, gate1).to(x.dtype)
+
+
+def residual_norm_scale_shift_select(
+    x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight=None, bias=None, eps=1e-6
+):
+    residual_out = residual + residual_gate * x
+    y, gate_out = norm_scale_shift_select(residual_out, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps)
+    return y, residual_out, gate_out
+
+
+def _gate(gate, gate_act, x):
+    gate = _per_token(gate, x)
+    return torch.tanh(gate) if gate_act == "tanh" else gate
+
+
+def add_gate_norm(x, branch, gate, weight=None, bias=None, norm="rms", eps=1e-5, gate_act=None):
+    return (x + _gate(gate, gate_act, x) * _norm(branch, weight, bias, norm, eps)).to(x.dtype)
+
+
+def add_gate_norm_scale(x, branch, gate, scale, weight=None, bias=None, weight2=None, bias2=None, norm="rms", eps=1e-5, gate_act=None):
+    out = add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act)
+    return out, (_norm(out, weight2, bias2, norm, eps) * (1 + _per_token(scale, x))).to(x.dtype)
+
+
+def _rotate(v, cos, sin, interleaved):
+    """RoPE on the first 2 * cos.shape[-1] dims of v, in float32 as model code does."""
+    rotary = 2 * cos.shape[-1]
+    head, rest = v[..., :rotary].float(), v[..., rotary:]
+    if interleaved:
+        first, second = head[..., 0::2], head[..., 1::2]
+        rotated = torch.stack((first * cos - second * sin, second * cos + first * sin), dim=-1).flatten(-2)
+    else:
+        first, second = head.chunk(2, dim=-1)
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return torch.cat((rotated.to(v.dtype), rest), dim=-1)
+
+
+def _angles(q, cos_sin_cache, positions, position_offset):
+    rows = cos_sin_cache[positions] if positions is not None else cos_sin_cache[position_offset : position_offset + q.shape[-3]]
+    cos, sin = rows.chunk(2, dim=-1)
+    return cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+
+def rope_(q, k, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, position_offset=0):
+    cos, sin = _angles(q, cos_sin_cache, positions, position_offset)
+    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
+
+
+def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, eps=1e-6, position_offset=0):
+    cos, sin = _angles(q, cos_sin_cache, positions, position_offset)
+    head = (q.shape[-1],)
+    q = F.rms_norm(q, head, q_weight, eps)
+    k = F.rms_norm(k, head, k_weight, eps)
+    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
+
+
+EAGER = {
+    function.__name__: function
+    for function in (
+        norm_scale_shift,
+        residual_norm_scale_shift,
+        norm_scale_shift_select,
+        residual_norm_scale_shift_select,
+        add_gate_norm,
+        add_gate_norm_scale,
+        qk_norm_rope_,
+        rope_,
+    )
+}
+
+
+# Peer libraries. Each adapter returns None where the library has no equivalent of the call.
+
+
+def _liger_functional():
+    return importlib.import_module("liger_kernel.transformers.functional")
+
+
+def liger(op: str, arguments: dict) -> Optional[Callable]:
+    """Liger-Kernel's closest op for this call: LayerNorm (then torch modulation), its modulated
+    RMSNorm, or its RoPE (NeoX layout, q/k as [B, H, S, Dh] views); None where it has none."""
+    functional = _liger_functional()
+    if op == "norm_scale_shift" and arguments.get("norm", "layer") == "rms":
+        x, scale, shift = arguments["x"], arguments["scale"], arguments["shift"]
+        weight = arguments.get("weight")
+        if weight is None or scale.dim() != 2:
+            return None
+        return lambda: functional.liger_modulated_rms_norm(x, weight, scale, shift, 1e-6, in_place=False)
+    if op == "norm_scale_shift":
+        x, scale, shift = arguments["x"], arguments["scale"], arguments["shift"]
+        hidden = x.shape[-1]
+        weight = arguments.get("weight")
+        weight = weight if weight is not None else torch.ones(hidden, device=x.device, dtype=x.dtype)
+        bias = arguments.get("bias")
+        bias = bias if bias is not None else torch.zeros(hidden, device=x.device, dtype=x.dtype)
+        scale, shift = _per_token(scale, x), _per_token(shift, x)
+        return lambda: (functional.liger_layer_norm(x, weight, bias, 1e-6) * (1 + scale) + shift).to(x.dtype)
+    if op == "rope_" and not arguments.get("interleaved", True) and arguments["q"].dim() == 3:
+        q, k, cache, positions = arguments["q"], arguments["k"], arguments["cos_sin_cache"], arguments.get("positions")
+        cos, sin = (half.repeat(1, 2) for half in cache.chunk(2, dim=-1))  # NeoX: full-width cos/sin
+        cos, sin = (table[positions].unsqueeze(0) for table in (cos, sin)) if positions is not None else (cos, sin)
+        q_view, k_view = q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2)  # [1, H, T, Dh] views
+        return lambda: functional.liger_rope(q_view, k_view, cos, sin)
+    return None
+
+
+PEERS = {"liger": ("liger_kernel", liger), "flashinfer": ("flashinfer", None)}
+"""Peer name -> (module, adapter). FlashInfer has no adapter yet: it is reported, not timed."""
+
+
+def peer_status() -> dict:
+    """For each peer library: its version, or why it cannot be used here."""
+    status = {}
+    for name, (module, adapter) in PEERS.items():
+        try:
+            version = getattr(importlib.import_module(module), "__version__", "installed")
+        except Exception as error:  # not installed, or broken: both mean "missing", with the reason
+            status[name] = f"missing ({type(error).__name__}: {error})"
+            continue
+        status[name] = version if adapter else f"{version} (installed; no adapter written)"
+    return status

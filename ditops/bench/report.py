@@ -1,0 +1,119 @@
+"""Benchmark output: the printed table, JSON and CSV files, and PNG bar charts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+COLUMNS = (
+    "op",
+    "model",
+    "shape",
+    "dtype",
+    "candidate",
+    "us",
+    "spread_pct",
+    "eager_us",
+    "bytes",
+    "gbps",
+    "pct_copy",
+    "speedup_vs_eager",
+    "speedup_vs_compile",
+    "correct",
+    "max_error",
+    "note",
+)
+
+
+def add_derived(rows: list, copy_gbps: float) -> None:
+    """Fills gbps, pct_copy and the speedups against eager and torch.compile of the same case."""
+    by_case = defaultdict(dict)
+    for row in rows:
+        if row.get("us"):
+            by_case[(row["op"], row["model"], row["shape"], row["dtype"])][row["candidate"]] = row["us"]
+    for row in rows:
+        if not row.get("us"):
+            continue
+        row["gbps"] = row["bytes"] / (row["us"] * 1e3)
+        row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+        times = by_case[(row["op"], row["model"], row["shape"], row["dtype"])]
+        row["speedup_vs_eager"] = times["eager"] / row["us"] if "eager" in times else None
+        row["speedup_vs_compile"] = times["torch.compile"] / row["us"] if "torch.compile" in times else None
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def table(rows: list) -> str:
+    """A markdown table: one row per (case, candidate)."""
+    header = ("op", "model", "shape", "candidate", "us", "spread %", "eager us", "GB/s", "% copy", "x eager", "x compile", "ok", "note")
+    keys = ("op", "model", "shape", "candidate", "us", "spread_pct", "eager_us", "gbps", "pct_copy", "speedup_vs_eager", "speedup_vs_compile", "correct", "note")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(key)) for key in keys) + " |")
+    return "\n".join(lines)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")
+
+
+def write(rows: list, metadata: dict, directory: Path, stem: str, plots: bool = True) -> list:
+    """Writes ``stem``.json, ``stem``.csv and one PNG per op; returns the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = directory / f"{stem}.json", directory / f"{stem}.csv"
+    json_path.write_text(json.dumps(dict(metadata, rows=rows), indent=1) + "\n")
+    with csv_path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    paths = [json_path, csv_path]
+    if plots:
+        paths += plot(rows, metadata, directory, stem)
+    return paths
+
+
+def plot(rows: list, metadata: dict, directory: Path, stem: str) -> list:
+    """One PNG per op: percent of copy bandwidth per shape, one bar per candidate (needs the [bench] extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install 'ditops[bench]'): no charts written")
+        return []
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    by_op = defaultdict(list)
+    for row in rows:
+        if row.get("pct_copy") is not None:
+            by_op[row["op"]].append(row)
+    for op, op_rows in by_op.items():
+        cases = list(dict.fromkeys((row["model"], row["shape"]) for row in op_rows))
+        candidates = list(dict.fromkeys(row["candidate"] for row in op_rows))
+        width = 0.8 / len(candidates)
+        figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(cases)), 4.2))
+        for index, candidate in enumerate(candidates):
+            values = {(row["model"], row["shape"]): row["pct_copy"] for row in op_rows if row["candidate"] == candidate}
+            positions = [case_index + index * width for case_index in range(len(cases))]
+            axes.bar(positions, [values.get(case, 0) for case in cases], width, label=candidate)
+        axes.set_xticks([case_index + 0.4 - width / 2 for case_index in range(len(cases))])
+        axes.set_xticklabels([f"{model}\n{shape}" for model, shape in cases], fontsize=7)
+        axes.set_ylabel("% of copy bandwidth")
+        axes.set_title(f"{op} on {metadata.get('device', '?')} ({metadata.get('copy_gbps', 0):.0f} GB/s copy)", fontsize=9)
+        axes.legend(fontsize=7)
+        figure.tight_layout()
+        path = directory / f"{stem}_{op}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        paths.append(path)
+    return paths
