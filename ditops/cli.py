@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     check_parser.set_defaults(run=check)
 
     bench_parser = commands.add_parser("bench", help="time every op at real model shapes against eager, torch.compile and peers")
-    bench_parser.add_argument("--quick", action="store_true", help="one real shape and the latency case per op (under a minute)")
+    bench_parser.add_argument("--quick", action="store_true", help="one real shape per op and a few latency cases (about a minute on a GPU)")
     bench_parser.add_argument("--ops", nargs="+", help="only these ops")
     bench_parser.add_argument("--shapes", nargs="+", help="only cases whose model or shape contains one of these")
     bench_parser.add_argument("--backends", nargs="+", help="only these candidates (reference, eager, torch.compile, liger, ...)")

@@ -170,7 +170,8 @@ def run(
         l2_bytes = 32 << 20
     else:
         l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    copy_gbps = timing.copy_bandwidth_gbps(device, (1 << 30) if device != "cpu" else (64 << 20))
+    copy = timing.copy_bandwidth(device, (1 << 30) if device != "cpu" else (64 << 20))
+    copy_gbps = max(copy.values())
     wanted = set(backends) if backends else None
     rows = []
     for case in cases:
@@ -180,6 +181,7 @@ def run(
             torch.cuda.empty_cache()
     report.add_derived(rows, copy_gbps)
     info = metadata(device, copy_gbps, l2_bytes, quick)
+    info["copy_gbps_by_method"] = copy
     paths = []
     if write_files:
         stem = f"{report.slug(info['device'])}_{info['date']}" + ("_quick" if quick else "")

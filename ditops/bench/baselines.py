@@ -149,7 +149,12 @@ def liger(op: str, arguments: dict) -> Optional[Callable]:
         cos, sin = (half.repeat(1, 2) for half in cache.chunk(2, dim=-1))  # NeoX: full-width cos/sin
         cos, sin = (table[positions].unsqueeze(0) for table in (cos, sin)) if positions is not None else (cos, sin)
         q_view, k_view = q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2)  # [1, H, T, Dh] views
-        return lambda: functional.liger_rope(q_view, k_view, cos, sin)
+
+        def rotate():
+            functional.liger_rope(q_view, k_view, cos, sin)  # writes q and k in place, through the views
+            return q, k
+
+        return rotate
     return None
 
 

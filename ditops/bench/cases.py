@@ -168,8 +168,9 @@ def cpu_case(case: BenchCase) -> BenchCase:
     op = case.op
     if op in ("qk_norm_rope_", "rope_"):
         tokens, heads, head_size = CPU_SHAPES["heads"]
-        build = _heads(op, tokens, heads, heads, head_size, interleaved=" neox" not in case.shape)
-        return BenchCase(op, case.model + " (CPU stand-in)", f"T{tokens} H{heads} Dh{head_size}", build, case.quick)
+        neox = " neox" if " neox" in case.shape else ""
+        build = _heads(op, tokens, heads, heads, head_size, interleaved=not neox)
+        return BenchCase(op, case.model + " (CPU stand-in)", f"T{tokens} H{heads} Dh{head_size}{neox}", build, case.quick)
     batch, tokens, hidden = CPU_SHAPES["norm"]
     norm = "rms" if "RMS" in case.model or op.startswith("add_gate") else "layer"
     build = _rows(op, batch, tokens, hidden, norm=norm, affine=True)
@@ -199,7 +200,8 @@ def minimum_bytes(op: str, arguments: dict) -> int:
         total += _distinct_bytes(positions)
         weights = (arguments.get("q_weight"), arguments.get("k_weight"))
         return total + sum(_distinct_bytes(w) for w in weights)
-    inputs = sum(_distinct_bytes(value) for value in arguments.values() if isinstance(value, torch.Tensor))
+    tensors = {id(value): value for value in arguments.values() if isinstance(value, torch.Tensor)}  # one tensor passed twice
+    inputs = sum(_distinct_bytes(value) for value in tensors.values())  # (weight2 = weight) is read once
     x = arguments["x"]
     outputs = {
         "norm_scale_shift": 1,

@@ -117,3 +117,20 @@ def plot(rows: list, metadata: dict, directory: Path, stem: str) -> list:
         plt.close(figure)
         paths.append(path)
     return paths
+
+
+def main(argv=None) -> None:
+    """``python -m ditops.bench.report RESULTS.json``: draws the charts of a saved results file
+    (the GPU machine returns at most a few files, so charts are drawn where they are committed)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    path = parser.parse_args(argv).results
+    document = json.loads(path.read_text())
+    for written in plot(document["rows"], document, path.parent, path.stem):
+        print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+    main()
