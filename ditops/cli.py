@@ -107,6 +107,10 @@ def check(arguments) -> int:
 def bench(arguments) -> int:
     from . import bench as benchmark
 
+    if arguments.plot_from:
+        for path in benchmark.report.plot_file(arguments.plot_from):
+            print(f"wrote {path}")
+        return 0
     rows, info, paths = benchmark.run(
         ops=arguments.ops,
         shapes=arguments.shapes,
@@ -119,7 +123,8 @@ def bench(arguments) -> int:
     print(f"\n{info['device']}: copy bandwidth {info['copy_gbps']:.0f} GB/s; torch {info['torch']}, triton {info['triton']}")
     for peer, status in info["peers"].items():
         print(f"  peer {peer}: {status}")
-    print(benchmark.report.table(rows))
+    print("\nmicroseconds per call (percent of copy bandwidth); every row and column: the JSON and CSV files\n")
+    print(benchmark.report.summary(rows))
     for path in paths:
         print(f"wrote {path}")
     return 0
@@ -153,6 +158,7 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
     bench_parser.add_argument("--output", default="benchmarks/results", help="folder for the JSON, CSV and PNG files")
     bench_parser.add_argument("--no-plots", action="store_true")
+    bench_parser.add_argument("--plot-from", metavar="RESULTS.json", help="only draw the charts of a saved results file")
     bench_parser.set_defaults(run=bench)
 
     arguments = parser.parse_args(argv)

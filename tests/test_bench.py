@@ -337,15 +337,28 @@ def _derived_rows() -> list:
     return rows
 
 
-def test_table_has_one_line_per_row():
+def test_summary_has_one_line_per_case_and_one_column_per_candidate():
     rows = _derived_rows()
-    lines = report.table(rows).splitlines()
-    assert len(lines) == 2 + len(rows)  # header and its separator, then the rows
-    assert lines[0].startswith("| op | model | shape | candidate | us")
-    for line, row in zip(lines[2:], rows):
+    lines = report.summary(rows).splitlines()
+    candidates = list(dict.fromkeys(row["candidate"] for row in rows))
+    cases = list(dict.fromkeys((row["op"], row["model"], row["shape"], row["dtype"]) for row in rows))
+    assert lines[0] == "| op | model | shape | dtype | " + " | ".join(candidates) + " |"
+    assert len(lines) == 2 + len(cases)  # header and its separator, then the cases
+    for line, case in zip(lines[2:], cases):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        assert cells[:4] == [row["op"], row["model"], row["shape"], row["candidate"]]
-        assert cells[4] == ("-" if "us" not in row else report._cell(row["us"]))
+        assert tuple(cells[:4]) == case
+        for candidate, cell in zip(candidates, cells[4:]):
+            timed = [row for row in rows if (row["op"], row["model"], row["shape"], row["dtype"]) == case and row["candidate"] == candidate and "us" in row]
+            assert cell == (f"{report._cell(timed[0]['us'])} ({timed[0]['pct_copy']:.0f}%)" if timed else "-")
+
+
+def test_charts_from_a_saved_results_file(tmp_path):
+    from ditops import cli
+
+    rows = _derived_rows()
+    report.write(rows, dict(device="Test GPU", copy_gbps=80.0), tmp_path, "saved", plots=False)
+    assert cli.main(["bench", "--plot-from", str(tmp_path / "saved.json")]) == 0
+    assert (tmp_path / "saved_rope_.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_write_json_csv_and_one_png_per_timed_op(tmp_path):

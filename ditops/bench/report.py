@@ -52,13 +52,20 @@ def _cell(value) -> str:
     return str(value)
 
 
-def table(rows: list) -> str:
-    """A markdown table: one row per (case, candidate)."""
-    header = ("op", "model", "shape", "candidate", "us", "spread %", "eager us", "GB/s", "% copy", "x eager", "x compile", "ok", "note")
-    keys = ("op", "model", "shape", "candidate", "us", "spread_pct", "eager_us", "gbps", "pct_copy", "speedup_vs_eager", "speedup_vs_compile", "correct", "note")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def summary(rows: list) -> str:
+    """A markdown table with one line per case and one column per candidate: "us (% of copy)"."""
+    candidates = list(dict.fromkeys(row["candidate"] for row in rows))
+    cases = defaultdict(dict)
     for row in rows:
-        lines.append("| " + " | ".join(_cell(row.get(key)) for key in keys) + " |")
+        cell = "-"
+        if row.get("us"):
+            cell = f"{_cell(row['us'])} ({row['pct_copy']:.0f}%)" + ("" if row.get("correct", True) else " WRONG")
+        elif row.get("note", "").startswith("failed"):
+            cell = "failed"
+        cases[(row["op"], row["model"], row["shape"], row["dtype"])][row["candidate"]] = cell
+    lines = ["| op | model | shape | dtype | " + " | ".join(candidates) + " |", "|" + "---|" * (4 + len(candidates))]
+    for case, cells in cases.items():
+        lines.append("| " + " | ".join(case) + " | " + " | ".join(cells.get(name, "-") for name in candidates) + " |")
     return "\n".join(lines)
 
 
@@ -81,6 +88,13 @@ def write(rows: list, metadata: dict, directory: Path, stem: str, plots: bool = 
     return paths
 
 
+def plot_file(path: Path) -> list:
+    """Draws the charts of a saved results file beside it (the GPU machine returns few files,
+    so charts are drawn where the results are committed)."""
+    document = json.loads(Path(path).read_text())
+    return plot(document["rows"], document, Path(path).parent, Path(path).stem)
+
+
 def plot(rows: list, metadata: dict, directory: Path, stem: str) -> list:
     """One PNG per op: percent of copy bandwidth per shape, one bar per candidate (needs the [bench] extra)."""
     try:
@@ -101,7 +115,7 @@ def plot(rows: list, metadata: dict, directory: Path, stem: str) -> list:
         cases = list(dict.fromkeys((row["model"], row["shape"]) for row in op_rows))
         candidates = list(dict.fromkeys(row["candidate"] for row in op_rows))
         width = 0.8 / len(candidates)
-        figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(cases)), 4.2))
+        figure, axes = plt.subplots(figsize=(max(6, 2.0 * len(cases)), 4.2))
         for index, candidate in enumerate(candidates):
             values = {(row["model"], row["shape"]): row["pct_copy"] for row in op_rows if row["candidate"] == candidate}
             positions = [case_index + index * width for case_index in range(len(cases))]
@@ -118,19 +132,3 @@ def plot(rows: list, metadata: dict, directory: Path, stem: str) -> list:
         paths.append(path)
     return paths
 
-
-def main(argv=None) -> None:
-    """``python -m ditops.bench.report RESULTS.json``: draws the charts of a saved results file
-    (the GPU machine returns at most a few files, so charts are drawn where they are committed)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path)
-    path = parser.parse_args(argv).results
-    document = json.loads(path.read_text())
-    for written in plot(document["rows"], document, path.parent, path.stem):
-        print(f"wrote {written}")
-
-
-if __name__ == "__main__":
-    main()
