@@ -1,9 +1,16 @@
+import os
 import pathlib
 
-import pytest
+import torch
 
-from ditops import dispatch
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (under a simulated
+# GPU device). It must be chosen before Triton compiles anything.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
+
+from ditops import dispatch  # noqa: E402
 TESTS = pathlib.Path(__file__).parent
 
 

@@ -356,3 +356,33 @@ def test_every_op_on_simulated_devices(op, arch):
         refused = {row.backend: row.refusal for row in explanation.candidates if row.refusal}
         assert refused == reasons
         assert ditops.explain(op, **example_arguments(op, shape, torch.float32)).selected == "reference"
+
+
+REGISTRY_PICKS = [
+    ("sm_90", torch.bfloat16, "triton", None),
+    ("sm_80", torch.float16, "triton", None),
+    ("sm_75", torch.bfloat16, "reference", "needs sm_80 or newer, got sm_75"),
+    ("gfx942", torch.bfloat16, "triton", None),
+    ("gfx90a", torch.float32, "triton", None),
+    ("gfx950", torch.bfloat16, "triton", None),
+    ("gfx1100", torch.bfloat16, "reference", "supports AMD gfx90a, gfx942, gfx950, not gfx1100"),
+    ("sm_90", torch.float64, "reference", "activations must be float16, bfloat16, float32, got float64"),
+]
+
+
+@pytest.mark.parametrize("arch, dtype, expected, reason", REGISTRY_PICKS, ids=lambda value: str(value))
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason):
+    shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
+    with dispatch.simulated_device(arch):
+        explanation = ditops.explain(op, **example_arguments(op, shape, dtype))
+    assert explanation.selected == expected
+    refusal = {row.backend: row.refusal for row in explanation.candidates}["triton"]
+    assert refusal is None if reason is None else refusal.startswith(reason)
+
+
+def test_triton_refuses_rows_it_cannot_hold_in_registers():
+    with dispatch.simulated_device("sm_90"):
+        explanation = ditops.explain("norm_scale_shift", **example_arguments("norm_scale_shift", (1, 2, 20000)))
+    assert explanation.selected == "reference"
+    assert {row.backend: row.refusal for row in explanation.candidates}["triton"] == "supports D <= 16384, got D=20000"

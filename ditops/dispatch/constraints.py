@@ -41,7 +41,7 @@ def dtypes(wanted: list, f: Features) -> Reason:
 
 
 def param_dtypes(wanted: list, f: Features) -> Reason:
-    refused = [d for d in f.param_dtypes if d not in wanted]
+    refused = sorted({d for d in f.param_dtypes if d not in wanted}, key=str)
     if refused:
         return f"modulation/weight/cache tensors must be {_dtype_names(wanted)}, got {_dtype_names(refused)}"
 

@@ -1,0 +1,159 @@
+"""The Triton backend: one portable kernel source per idea (this folder), for NVIDIA and AMD.
+
+Each function here is an op of OPS.md with the backend calling convention (the op's
+arguments, then the outputs to write); it only computes the launch arguments. Who may
+call it (devices, dtypes, sizes) is written in configs/registry.yaml. Math is float32;
+each output is rounded once when stored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ...dispatch.device import DeviceInfo
+from .gated_add_norm import gated_add_norm_kernel
+from .launch import modulation, rotary_launch, row_launch, rows_of, vendor_of
+from .modulated_norm import modulated_norm_kernel
+from .rotary import rotary_kernel
+from .selected_modulation_norm import selected_modulation_norm_kernel
+
+
+def available(device: DeviceInfo) -> Optional[str]:
+    """Triton kernels run on NVIDIA and AMD GPUs; on CPU tensors only through the interpreter
+    (TRITON_INTERPRET=1) on a simulated device, which is how CI runs them."""
+    if device.is_gpu:
+        return None
+    return "Triton kernels run on NVIDIA and AMD GPUs (on CPU tensors: TRITON_INTERPRET=1 and a simulated device)"
+
+
+def _grid(rows: int, rows_per_program: int) -> tuple:
+    return ((rows + rows_per_program - 1) // rows_per_program,)
+
+
+def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+    shape = rows_of(x)
+    residual_rows = rows_of(residual) if residual is not None else shape
+    launch = row_launch(shape.hidden, vendor_of(x))
+    rows = shape.batch * shape.tokens
+    modulated_norm_kernel[_grid(rows, launch.rows_per_program)](
+        x, shape.batch_stride, shape.token_stride,
+        residual, residual_rows.batch_stride, residual_rows.token_stride,
+        *modulation(gate, shape.tokens), *modulation(scale, shape.tokens), *modulation(shift, shape.tokens),
+        weight, bias, y, residual_out,
+        rows, shape.tokens, shape.hidden, eps,
+        RMS=norm == "rms", HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+    )
+
+
+def norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
+    _modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
+    return y
+
+
+def residual_norm_scale_shift(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+    _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
+    return y, residual_out
+
+
+def _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out):
+    shape = rows_of(x)
+    residual_rows = rows_of(residual) if residual is not None else shape
+    gate_rows = rows_of(residual_gate) if residual_gate is not None else shape
+    launch = row_launch(shape.hidden, vendor_of(x))
+    rows = shape.batch * shape.tokens
+    per_batch = [argument for t in modulations for argument in (t, t.stride(0) if t.shape[0] > 1 else 0)]
+    selected_modulation_norm_kernel[_grid(rows, launch.rows_per_program)](
+        x, shape.batch_stride, shape.token_stride,
+        residual, residual_rows.batch_stride, residual_rows.token_stride,
+        residual_gate, gate_rows.batch_stride, gate_rows.token_stride,
+        index, index.stride(0), index.stride(1),
+        *per_batch,
+        weight, bias, y, residual_out, gate_out,
+        rows, shape.tokens, shape.hidden, eps,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+    )
+
+
+def norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, y, gate_out):
+    modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
+    _selected_modulation_norm(x, None, None, index, modulations, weight, bias, eps, y, None, gate_out)
+    return y, gate_out
+
+
+def residual_norm_scale_shift_select(
+    x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, y, residual_out, gate_out
+):
+    modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
+    _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out)
+    return y, residual_out, gate_out
+
+
+def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
+    shape = rows_of(x)
+    branch_rows = rows_of(branch)
+    launch = row_launch(shape.hidden, vendor_of(x))
+    rows = shape.batch * shape.tokens
+    gated_add_norm_kernel[_grid(rows, launch.rows_per_program)](
+        x, shape.batch_stride, shape.token_stride,
+        branch, branch_rows.batch_stride, branch_rows.token_stride,
+        *modulation(gate, shape.tokens), *modulation(scale, shape.tokens),
+        weight, bias, weight2, bias2, out, y,
+        rows, shape.tokens, shape.hidden, eps,
+        RMS=norm == "rms", TANH_GATE=gate_act == "tanh", HAS_SCALE=scale is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_WEIGHT2=weight2 is not None, HAS_BIAS2=bias2 is not None,
+        BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+    )
+
+
+def add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, out):
+    _gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)
+    return out
+
+
+def add_gate_norm_scale(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
+    _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
+    return out, y
+
+
+def _heads_of(t) -> tuple:
+    """(batch, tokens, batch_stride, token_stride) of q/k as [T, H, Dh] (B=1) or [B, S, H, Dh]."""
+    if t.dim() == 3:
+        return 1, t.shape[0], 0, t.stride(0)
+    return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+
+
+def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm):
+    batch, tokens, q_batch_stride, q_token_stride = _heads_of(q)
+    _, _, k_batch_stride, k_token_stride = _heads_of(k) if k is not None else (0, 0, 0, 0)
+    head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
+    heads = max(q.shape[-2], k.shape[-2] if k is not None else 0)
+    launch = rotary_launch(head_size, rotary_dim, heads, vendor_of(q))
+    positions_batch_stride, positions_token_stride = (0, 0)
+    if positions is not None:
+        positions_batch_stride, positions_token_stride = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
+    rotary_kernel[(batch * tokens,)](
+        q, q_batch_stride, q_token_stride, q.shape[-2],
+        k, k_batch_stride, k_token_stride, k.shape[-2] if k is not None else 0,
+        q_weight, k_weight,
+        cos_sin_cache, cos_sin_cache.stride(0),
+        positions, positions_batch_stride, positions_token_stride, position_offset,
+        tokens, head_size, rotary_dim, eps,
+        NORM=norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
+        INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
+        BLOCK_HEADS=launch.block_heads, BLOCK_HALF=launch.block_half, BLOCK_REST=launch.block_rest,
+        num_warps=launch.num_warps,
+    )
+
+
+def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset):
+    _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm=True)
+    return q, k
+
+
+def rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
+    _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, norm=False)
+    return q, k

@@ -1,0 +1,48 @@
+"""out = x + act(gate) * norm(branch), stored; optionally y = norm2(out) * (1 + scale) on out as
+stored (op 4, Z-Image's sandwich norm). act is identity or tanh."""
+
+import triton
+import triton.language as tl
+
+from .row_math import load_modulation, normalize
+
+
+@triton.jit
+def _tanh(v):
+    # tanh(v) = 1 - 2 / (exp(2v) + 1): exact at both tails (exp overflows to inf, giving 1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * v) + 1.0)
+
+
+@triton.jit
+def gated_add_norm_kernel(
+    x, x_batch_stride, x_token_stride,
+    branch, branch_batch_stride, branch_token_stride,
+    gate, gate_batch_stride, gate_group_stride, gate_group_size, gate_dim_stride,
+    scale, scale_batch_stride, scale_group_stride, scale_group_size, scale_dim_stride,
+    weight, bias, weight2, bias2, out, y,
+    rows, tokens, hidden, eps,
+    RMS: tl.constexpr, TANH_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+):
+    columns = tl.arange(0, BLOCK)
+    for step in range(ROWS_PER_PROGRAM):
+        row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + step
+        mask = columns < tl.where(row < rows, hidden, 0)  # a step past the last row touches nothing
+        batch, token = row // tokens, row % tokens
+        branch_row = tl.load(branch + batch * branch_batch_stride + token * branch_token_stride + columns,
+                             mask=mask, other=0.0).to(tl.float32)
+        normalized = normalize(branch_row, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
+        gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
+                                   gate_dim_stride, columns, mask)
+        if TANH_GATE:
+            gate_row = _tanh(gate_row)
+        x_row = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+        stored = (x_row + gate_row * normalized).to(out.dtype.element_ty)
+        tl.store(out + row * hidden + columns, stored, mask=mask)
+        if HAS_SCALE:
+            normalized2 = normalize(stored.to(tl.float32), mask, hidden, eps, weight2, bias2, columns,
+                                    RMS, HAS_WEIGHT2, HAS_BIAS2)
+            scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                        scale_dim_stride, columns, mask)
+            tl.store(y + row * hidden + columns, (normalized2 * (1.0 + scale_row)).to(y.dtype.element_ty), mask=mask)

@@ -1,0 +1,46 @@
+"""y = norm(v) * (1 + scale) + shift, where v = x, or v = residual + gate * x stored first as
+residual_out (ops 1 and 2). One row per loop step, the whole row in registers: every element
+is read once and written once."""
+
+import triton
+import triton.language as tl
+
+from .row_math import load_modulation, normalize
+
+
+@triton.jit
+def modulated_norm_kernel(
+    x, x_batch_stride, x_token_stride,
+    residual, residual_batch_stride, residual_token_stride,
+    gate, gate_batch_stride, gate_group_stride, gate_group_size, gate_dim_stride,
+    scale, scale_batch_stride, scale_group_stride, scale_group_size, scale_dim_stride,
+    shift, shift_batch_stride, shift_group_stride, shift_group_size, shift_dim_stride,
+    weight, bias, y, residual_out,
+    rows, tokens, hidden, eps,
+    RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+):
+    columns = tl.arange(0, BLOCK)
+    for step in range(ROWS_PER_PROGRAM):
+        row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + step
+        mask = columns < tl.where(row < rows, hidden, 0)  # a step past the last row touches nothing
+        batch, token = row // tokens, row % tokens
+        v = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            summand = v
+            if HAS_GATE:
+                summand = summand * load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride,
+                                                    gate_group_size, gate_dim_stride, columns, mask)
+            previous = tl.load(residual + batch * residual_batch_stride + token * residual_token_stride + columns,
+                               mask=mask, other=0.0).to(tl.float32)
+            stored = (previous + summand).to(residual_out.dtype.element_ty)  # the norm reads it as stored
+            tl.store(residual_out + row * hidden + columns, stored, mask=mask)
+            v = stored.to(tl.float32)
+        normalized = normalize(v, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
+        scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                    scale_dim_stride, columns, mask)
+        shift_row = load_modulation(shift, batch, token, shift_batch_stride, shift_group_stride, shift_group_size,
+                                    shift_dim_stride, columns, mask)
+        result = normalized * (1.0 + scale_row) + shift_row
+        tl.store(y + row * hidden + columns, result.to(y.dtype.element_ty), mask=mask)
