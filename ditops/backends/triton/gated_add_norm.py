@@ -25,24 +25,23 @@ def gated_add_norm_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr,
     BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK)
-    for step in range(ROWS_PER_PROGRAM):
-        row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + step
-        mask = columns < tl.where(row < rows, hidden, 0)  # a step past the last row touches nothing
-        batch, token = row // tokens, row % tokens
-        branch_row = tl.load(branch + batch * branch_batch_stride + token * branch_token_stride + columns,
-                             mask=mask, other=0.0).to(tl.float32)
-        normalized = normalize(branch_row, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
-        gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
-                                   gate_dim_stride, columns, mask)
-        if TANH_GATE:
-            gate_row = _tanh(gate_row)
-        x_row = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
-        stored = (x_row + gate_row * normalized).to(out.dtype.element_ty)
-        tl.store(out + row * hidden + columns, stored, mask=mask)
-        if HAS_SCALE:
-            normalized2 = normalize(stored.to(tl.float32), mask, hidden, eps, weight2, bias2, columns,
-                                    RMS, HAS_WEIGHT2, HAS_BIAS2)
-            scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                        scale_dim_stride, columns, mask)
-            tl.store(y + row * hidden + columns, (normalized2 * (1.0 + scale_row)).to(y.dtype.element_ty), mask=mask)
+    columns = tl.arange(0, BLOCK)[None, :]
+    row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
+    mask = columns < tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
+    batch, token = row // tokens, row % tokens
+    branch_row = tl.load(branch + batch * branch_batch_stride + token * branch_token_stride + columns,
+                         mask=mask, other=0.0).to(tl.float32)
+    normalized = normalize(branch_row, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
+    gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
+                               gate_dim_stride, columns, mask)
+    if TANH_GATE:
+        gate_row = _tanh(gate_row)
+    x_row = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+    stored = (x_row + gate_row * normalized).to(out.dtype.element_ty)
+    tl.store(out + row * hidden + columns, stored, mask=mask)
+    if HAS_SCALE:
+        normalized2 = normalize(stored.to(tl.float32), mask, hidden, eps, weight2, bias2, columns,
+                                RMS, HAS_WEIGHT2, HAS_BIAS2)
+        scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                    scale_dim_stride, columns, mask)
+        tl.store(y + row * hidden + columns, (normalized2 * (1.0 + scale_row)).to(y.dtype.element_ty), mask=mask)

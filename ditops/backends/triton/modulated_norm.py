@@ -1,5 +1,5 @@
 """y = norm(v) * (1 + scale) + shift, where v = x, or v = residual + gate * x stored first as
-residual_out (ops 1 and 2). One row per loop step, the whole row in registers: every element
+residual_out (ops 1 and 2). A program normalises ROWS_PER_PROGRAM rows held in registers: every element
 is read once and written once."""
 
 import triton
@@ -21,26 +21,25 @@ def modulated_norm_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK)
-    for step in range(ROWS_PER_PROGRAM):
-        row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + step
-        mask = columns < tl.where(row < rows, hidden, 0)  # a step past the last row touches nothing
-        batch, token = row // tokens, row % tokens
-        v = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            summand = v
-            if HAS_GATE:
-                summand = summand * load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride,
-                                                    gate_group_size, gate_dim_stride, columns, mask)
-            previous = tl.load(residual + batch * residual_batch_stride + token * residual_token_stride + columns,
-                               mask=mask, other=0.0).to(tl.float32)
-            stored = (previous + summand).to(residual_out.dtype.element_ty)  # the norm reads it as stored
-            tl.store(residual_out + row * hidden + columns, stored, mask=mask)
-            v = stored.to(tl.float32)
-        normalized = normalize(v, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
-        scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                    scale_dim_stride, columns, mask)
-        shift_row = load_modulation(shift, batch, token, shift_batch_stride, shift_group_stride, shift_group_size,
-                                    shift_dim_stride, columns, mask)
-        result = normalized * (1.0 + scale_row) + shift_row
-        tl.store(y + row * hidden + columns, result.to(y.dtype.element_ty), mask=mask)
+    columns = tl.arange(0, BLOCK)[None, :]
+    row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
+    mask = columns < tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
+    batch, token = row // tokens, row % tokens
+    v = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        summand = v
+        if HAS_GATE:
+            summand = summand * load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride,
+                                                gate_group_size, gate_dim_stride, columns, mask)
+        previous = tl.load(residual + batch * residual_batch_stride + token * residual_token_stride + columns,
+                           mask=mask, other=0.0).to(tl.float32)
+        stored = (previous + summand).to(residual_out.dtype.element_ty)  # the norm reads it as stored
+        tl.store(residual_out + row * hidden + columns, stored, mask=mask)
+        v = stored.to(tl.float32)
+    normalized = normalize(v, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
+    scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                scale_dim_stride, columns, mask)
+    shift_row = load_modulation(shift, batch, token, shift_batch_stride, shift_group_stride, shift_group_size,
+                                shift_dim_stride, columns, mask)
+    result = normalized * (1.0 + scale_row) + shift_row
+    tl.store(y + row * hidden + columns, result.to(y.dtype.element_ty), mask=mask)

@@ -29,25 +29,24 @@ def selected_modulation_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK)
-    for step in range(ROWS_PER_PROGRAM):
-        row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + step
-        mask = columns < tl.where(row < rows, hidden, 0)  # a step past the last row touches nothing
-        batch, token = row // tokens, row % tokens
-        v = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            gate_row = tl.load(residual_gate + batch * residual_gate_batch_stride + token * residual_gate_token_stride
-                               + columns, mask=mask, other=0.0).to(tl.float32)
-            previous = tl.load(residual + batch * residual_batch_stride + token * residual_token_stride + columns,
-                               mask=mask, other=0.0).to(tl.float32)
-            stored = (previous + gate_row * v).to(residual_out.dtype.element_ty)
-            tl.store(residual_out + row * hidden + columns, stored, mask=mask)
-            v = stored.to(tl.float32)
-        last_row = tl.minimum(row, rows - 1)  # a step past the last row reads a valid index and stores nothing
-        selected = tl.load(index + (last_row // tokens) * index_batch_stride + (last_row % tokens) * index_token_stride) != 0
-        normalized = normalize(v, mask, hidden, eps, weight, bias, columns, False, HAS_WEIGHT, HAS_BIAS)
-        scale_row = _choose(scale0, batch * scale0_batch_stride, scale1, batch * scale1_batch_stride, columns, mask, selected)
-        shift_row = _choose(shift0, batch * shift0_batch_stride, shift1, batch * shift1_batch_stride, columns, mask, selected)
-        tl.store(y + row * hidden + columns, (normalized * (1.0 + scale_row) + shift_row).to(y.dtype.element_ty), mask=mask)
-        gate_row_out = _choose(gate0, batch * gate0_batch_stride, gate1, batch * gate1_batch_stride, columns, mask, selected)
-        tl.store(gate_out + row * hidden + columns, gate_row_out.to(gate_out.dtype.element_ty), mask=mask)
+    columns = tl.arange(0, BLOCK)[None, :]
+    row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
+    mask = columns < tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
+    batch, token = row // tokens, row % tokens
+    v = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        gate_row = tl.load(residual_gate + batch * residual_gate_batch_stride + token * residual_gate_token_stride
+                           + columns, mask=mask, other=0.0).to(tl.float32)
+        previous = tl.load(residual + batch * residual_batch_stride + token * residual_token_stride + columns,
+                           mask=mask, other=0.0).to(tl.float32)
+        stored = (previous + gate_row * v).to(residual_out.dtype.element_ty)
+        tl.store(residual_out + row * hidden + columns, stored, mask=mask)
+        v = stored.to(tl.float32)
+    last_row = tl.minimum(row, rows - 1)  # a step past the last row reads a valid index and stores nothing
+    selected = tl.load(index + (last_row // tokens) * index_batch_stride + (last_row % tokens) * index_token_stride) != 0
+    normalized = normalize(v, mask, hidden, eps, weight, bias, columns, False, HAS_WEIGHT, HAS_BIAS)
+    scale_row = _choose(scale0, batch * scale0_batch_stride, scale1, batch * scale1_batch_stride, columns, mask, selected)
+    shift_row = _choose(shift0, batch * shift0_batch_stride, shift1, batch * shift1_batch_stride, columns, mask, selected)
+    tl.store(y + row * hidden + columns, (normalized * (1.0 + scale_row) + shift_row).to(y.dtype.element_ty), mask=mask)
+    gate_row_out = _choose(gate0, batch * gate0_batch_stride, gate1, batch * gate1_batch_stride, columns, mask, selected)
+    tl.store(gate_out + row * hidden + columns, gate_row_out.to(gate_out.dtype.element_ty), mask=mask)
