@@ -48,6 +48,7 @@ def measure(op: str, model: str, l2_bytes: int, copy_gbps: float) -> tuple:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", help="also write every measured setting to this file")
     arguments = parser.parse_args()
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     copy_gbps = max(timing.copy_bandwidth("cuda").values())
@@ -86,7 +87,9 @@ def main() -> None:
             best = min(best or results[-1], results[-1], key=lambda r: r["us"])
         print(f"best {op} {model}: tile={best['tile']} warps={best['warps']} {best['us']:.1f} us {best['pct']:.0f}%", flush=True)
     triton_backend.rotary_launch = original_rotary
-    print(json.dumps(results))
+    if arguments.json:
+        with open(arguments.json, "w") as file:
+            json.dump(results, file, indent=1)
 
 
 if __name__ == "__main__":
