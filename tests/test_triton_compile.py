@@ -1,0 +1,120 @@
+"""Ahead-of-time compilation of every Triton kernel specialization the registry can select,
+for NVIDIA (sm_80, sm_90) and AMD (gfx90a, gfx942, gfx950), with no GPU: real machine code
+(cubin / hsaco) must come out.
+
+The specializations are found by running the backend's launch code on every conformance
+case and dtype, on a simulated device of each vendor, with the kernels replaced by a
+recorder: what the launch code would launch is what is compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from triton.backends.compiler import GPUTarget
+
+import ditops.backends.triton as triton_backend
+from ditops import conformance
+from ditops.dispatch import simulated_device
+from ditops.ops import OPS, ordered_arguments
+
+KERNELS = ("modulated_norm_kernel", "selected_modulation_norm_kernel", "gated_add_norm_kernel", "rotary_kernel")
+TARGETS = {
+    "sm_80": (GPUTarget("cuda", 80, 32), "cuda", "cubin"),
+    "sm_90": (GPUTarget("cuda", 90, 32), "cuda", "cubin"),
+    "gfx90a": (GPUTarget("hip", "gfx90a", 64), "rocm", "hsaco"),
+    "gfx942": (GPUTarget("hip", "gfx942", 64), "rocm", "hsaco"),
+    "gfx950": (GPUTarget("hip", "gfx950", 64), "rocm", "hsaco"),
+}
+SIMULATED = {"cuda": "sm_90", "rocm": "gfx942"}
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.bool: "*i1",
+    torch.uint8: "*u8",
+}
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records instead of launching."""
+
+    def __init__(self, kernel, found: set):
+        self.kernel, self.found = kernel, found
+
+    def __getitem__(self, grid):
+        return functools.partial(self._record)
+
+    def _record(self, *args, num_warps=4, **constexprs):
+        signature, constants = {}, dict(constexprs)
+        for name, value in zip(self.kernel.arg_names, args):
+            if value is None:
+                signature[name], constants[name] = "constexpr", None
+            elif isinstance(value, torch.Tensor):
+                signature[name] = POINTER_TYPES[value.dtype]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            else:
+                signature[name] = "fp32"
+        for name in constexprs:
+            signature[name] = "constexpr"
+        self.found.add((self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else self.kernel.__name__,
+                        tuple(signature.items()), tuple(sorted(constants.items(), key=lambda item: item[0])), num_warps))
+
+
+@functools.lru_cache(maxsize=None)
+def specializations(vendor: str) -> tuple:
+    found: set = set()
+    originals = {name: getattr(triton_backend, name) for name in KERNELS}
+    try:
+        for name, kernel in originals.items():
+            setattr(triton_backend, name, _Recorder(kernel, found))
+        with simulated_device(SIMULATED[vendor]):
+            for case in conformance.CASES:
+                for dtype in conformance.DTYPES:
+                    keywords = case.arguments(dtype, "cpu")
+                    arguments, _ = ordered_arguments(case.op, **keywords)
+                    if OPS[case.op].check(*arguments) is None:
+                        continue  # empty input: nothing is launched
+                    outputs = OPS[case.op].outputs(*arguments)
+                    getattr(triton_backend, case.op)(*arguments, *outputs)
+    finally:
+        for name, kernel in originals.items():
+            setattr(triton_backend, name, kernel)
+    return tuple(sorted(found, key=repr))
+
+
+def test_every_kernel_and_option_is_exercised():
+    found = specializations("cuda")
+    assert {kernel for kernel, *_ in found} == set(KERNELS)
+    constants = [dict(constants) for _, _, constants, _ in found]
+    for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
+                 "HAS_POSITIONS", "HAS_K"):
+        assert {c[flag] for c in constants if flag in c} == {True, False}, flag
+
+
+@pytest.mark.parametrize("target_name", TARGETS)
+def test_ahead_of_time_compile(target_name):
+    """Compiled in a fresh process: this test session runs Triton's interpreter (conftest.py),
+    whose kernels cannot be compiled, and Triton chooses between the two when a kernel is defined."""
+    target, vendor, binary = TARGETS[target_name]
+    work = [dict(kernel=kernel, signature=dict(signature), constants=dict(constants), num_warps=num_warps)
+            for kernel, signature, constants, num_warps in specializations(vendor)]
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("triton_aot.py")), target.backend, str(target.arch), str(target.warp_size), binary],
+        input=json.dumps(work), capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    compiled = [line for line in result.stdout.splitlines() if line.startswith("compiled ")]
+    assert len(compiled) == len(work)
