@@ -59,8 +59,8 @@ def main() -> None:
     for op, model in ROW_CASES:
         best = None
         for rows, warps in itertools.product(rows_choices, warps_choices):
-            def row_launch(hidden, vendor, rows=rows, warps=warps):
-                return launch.RowLaunch(original_row(hidden, vendor).block, warps, rows)
+            def row_launch(kernel, hidden, vendor, rows=rows, warps=warps):
+                return launch.RowLaunch(original_row(kernel, hidden, vendor).block, warps, rows)
 
             triton_backend.row_launch = row_launch
             try:

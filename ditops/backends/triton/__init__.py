@@ -33,7 +33,7 @@ def _grid(rows: int, rows_per_program: int) -> tuple:
 def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
-    launch = row_launch(shape.hidden, vendor_of(x))
+    launch = row_launch("modulated_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
     modulated_norm_kernel[_grid(rows, launch.rows_per_program)](
         x, shape.batch_stride, shape.token_stride,
@@ -61,7 +61,7 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
     gate_rows = rows_of(residual_gate) if residual_gate is not None else shape
-    launch = row_launch(shape.hidden, vendor_of(x))
+    launch = row_launch("selected_modulation_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
     per_batch = [argument for t in modulations for argument in (t, t.stride(0) if t.shape[0] > 1 else 0)]
     selected_modulation_norm_kernel[_grid(rows, launch.rows_per_program)](
@@ -94,7 +94,7 @@ def residual_norm_scale_shift_select(
 def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
     shape = rows_of(x)
     branch_rows = rows_of(branch)
-    launch = row_launch(shape.hidden, vendor_of(x))
+    launch = row_launch("gated_add_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
     gated_add_norm_kernel[_grid(rows, launch.rows_per_program)](
         x, shape.batch_stride, shape.token_stride,

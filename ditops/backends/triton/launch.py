@@ -33,12 +33,12 @@ class RowLaunch(NamedTuple):
     rows_per_program: int
 
 
-def row_launch(hidden: int, vendor: str) -> RowLaunch:
-    block = triton.next_power_of_2(hidden)
-    for entry in _settings()["row_kernels"][vendor]:
-        if block <= entry["max_block"]:
-            return RowLaunch(block, entry["num_warps"], entry["rows_per_program"])
-    raise ValueError(f"no Triton launch setting for rows of {hidden} (block {block}); the registry's max_hidden_size should refuse them")
+def row_launch(kernel: str, hidden: int, vendor: str) -> RowLaunch:
+    """Settings of a row kernel ("modulated_norm", "selected_modulation_norm", "gated_add_norm")."""
+    for entry in _settings()[kernel][vendor]:
+        if hidden <= entry["max_hidden"]:
+            return RowLaunch(triton.next_power_of_2(hidden), entry["num_warps"], entry["rows_per_program"])
+    raise ValueError(f"no Triton launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
 
 class RotaryLaunch(NamedTuple):
