@@ -9,6 +9,7 @@ models do: float32 modulation (Wan) makes the math float32, cast back at the end
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import Callable, Optional
 
 import torch
@@ -161,13 +162,23 @@ def liger(op: str, arguments: dict) -> Optional[Callable]:
 PEERS = {"liger": ("liger_kernel", liger), "flashinfer": ("flashinfer", None)}
 """Peer name -> (module, adapter). FlashInfer has no adapter yet: it is reported, not timed."""
 
+DISTRIBUTIONS = {"liger_kernel": "liger-kernel", "flashinfer": "flashinfer-python"}
+
+
+def _distribution_version(module: str) -> str:
+    try:
+        return importlib.metadata.version(DISTRIBUTIONS.get(module, module))
+    except importlib.metadata.PackageNotFoundError:
+        return "installed"
+
 
 def peer_status() -> dict:
     """For each peer library: its version, or why it cannot be used here."""
     status = {}
     for name, (module, adapter) in PEERS.items():
         try:
-            version = getattr(importlib.import_module(module), "__version__", "installed")
+            imported = importlib.import_module(module)
+            version = getattr(imported, "__version__", None) or _distribution_version(module)
         except Exception as error:  # not installed, or broken: both mean "missing", with the reason
             status[name] = f"missing ({type(error).__name__}: {error})"
             continue
