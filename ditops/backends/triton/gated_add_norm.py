@@ -4,7 +4,7 @@ stored (op 4, Z-Image's sandwich norm). act is identity or tanh."""
 import triton
 import triton.language as tl
 
-from .row_math import load_modulation, normalize
+from .row_math import load_modulation, load_rows, normalize, row_tile
 
 
 @triton.jit
@@ -25,18 +25,14 @@ def gated_add_norm_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr,
     BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK)[None, :]
-    row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
-    mask = columns < tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
-    batch, token = row // tokens, row % tokens
-    branch_row = tl.load(branch + batch * branch_batch_stride + token * branch_token_stride + columns,
-                         mask=mask, other=0.0).to(tl.float32)
+    columns, row, batch, token, mask = row_tile(rows, tokens, hidden, BLOCK, ROWS_PER_PROGRAM)
+    branch_row = load_rows(branch, batch, token, branch_batch_stride, branch_token_stride, columns, mask)
     normalized = normalize(branch_row, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
     gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
                                gate_dim_stride, columns, mask)
     if TANH_GATE:
         gate_row = _tanh(gate_row)
-    x_row = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+    x_row = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
     stored = (x_row + gate_row * normalized).to(out.dtype.element_ty)
     tl.store(out + row * hidden + columns, stored, mask=mask)
     if HAS_SCALE:

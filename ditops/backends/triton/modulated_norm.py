@@ -5,7 +5,7 @@ is read once and written once."""
 import triton
 import triton.language as tl
 
-from .row_math import load_modulation, normalize
+from .row_math import load_modulation, load_rows, normalize, row_tile
 
 
 @triton.jit
@@ -21,18 +21,14 @@ def modulated_norm_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK)[None, :]
-    row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
-    mask = columns < tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
-    batch, token = row // tokens, row % tokens
-    v = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+    columns, row, batch, token, mask = row_tile(rows, tokens, hidden, BLOCK, ROWS_PER_PROGRAM)
+    v = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
     if HAS_RESIDUAL:
         summand = v
         if HAS_GATE:
             summand = summand * load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride,
                                                 gate_group_size, gate_dim_stride, columns, mask)
-        previous = tl.load(residual + batch * residual_batch_stride + token * residual_token_stride + columns,
-                           mask=mask, other=0.0).to(tl.float32)
+        previous = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask)
         stored = (previous + summand).to(residual_out.dtype.element_ty)  # the norm reads it as stored
         tl.store(residual_out + row * hidden + columns, stored, mask=mask)
         v = stored.to(tl.float32)

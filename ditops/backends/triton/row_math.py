@@ -7,6 +7,21 @@ import triton.language as tl
 
 
 @triton.jit
+def row_tile(rows, tokens, hidden, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
+    """This program's rows: (columns [1, BLOCK], row, batch, token [ROWS, 1], mask [ROWS, BLOCK])."""
+    columns = tl.arange(0, BLOCK)[None, :]
+    row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
+    mask = columns < tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
+    return columns, row, row // tokens, row % tokens, mask
+
+
+@triton.jit
+def load_rows(pointer, batch, token, batch_stride, token_stride, columns, mask):
+    """Rows (batch, token) of an activation whose last dimension has stride 1, as float32."""
+    return tl.load(pointer + batch * batch_stride + token * token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def load_modulation(pointer, batch, token, batch_stride, group_stride, group_size, dim_stride, columns, mask):
     """The modulation vectors of rows (batch, token) ([ROWS, 1] each), as a float32 tile.
 

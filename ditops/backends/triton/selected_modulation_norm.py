@@ -6,7 +6,7 @@ Both sets are [B, D]: loading both and selecting costs L2 hits, not memory traff
 import triton
 import triton.language as tl
 
-from .row_math import normalize
+from .row_math import load_rows, normalize, row_tile
 
 
 @triton.jit
@@ -29,16 +29,11 @@ def selected_modulation_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK)[None, :]
-    row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
-    mask = columns < tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
-    batch, token = row // tokens, row % tokens
-    v = tl.load(x + batch * x_batch_stride + token * x_token_stride + columns, mask=mask, other=0.0).to(tl.float32)
+    columns, row, batch, token, mask = row_tile(rows, tokens, hidden, BLOCK, ROWS_PER_PROGRAM)
+    v = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
     if HAS_RESIDUAL:
-        gate_row = tl.load(residual_gate + batch * residual_gate_batch_stride + token * residual_gate_token_stride
-                           + columns, mask=mask, other=0.0).to(tl.float32)
-        previous = tl.load(residual + batch * residual_batch_stride + token * residual_token_stride + columns,
-                           mask=mask, other=0.0).to(tl.float32)
+        gate_row = load_rows(residual_gate, batch, token, residual_gate_batch_stride, residual_gate_token_stride, columns, mask)
+        previous = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask)
         stored = (previous + gate_row * v).to(residual_out.dtype.element_ty)
         tl.store(residual_out + row * hidden + columns, stored, mask=mask)
         v = stored.to(tl.float32)
