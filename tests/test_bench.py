@@ -353,6 +353,7 @@ def test_summary_has_one_line_per_case_and_one_column_per_candidate():
 
 
 def test_charts_from_a_saved_results_file(tmp_path):
+    pytest.importorskip("matplotlib", reason="charts need the [bench] extra")
     from ditops import cli
 
     rows = _derived_rows()
@@ -362,6 +363,7 @@ def test_charts_from_a_saved_results_file(tmp_path):
 
 
 def test_write_json_csv_and_one_png_per_timed_op(tmp_path):
+    pytest.importorskip("matplotlib", reason="charts need the [bench] extra")
     rows = _derived_rows()
     metadata = dict(device="Test GPU", copy_gbps=80.0, date="2025-01-01", quick=False)
     paths = report.write(rows, metadata, tmp_path / "results", "test-gpu", plots=True)
