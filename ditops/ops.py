@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from . import validation as check
+from . import validation
 from .dispatch import Features, describe
 from .dispatch.selector import candidates, choose, format_table, resolve
 
@@ -75,18 +75,18 @@ class Op:
 
 
 def _norm_arguments(op, shape, device, weight, bias, norm, eps):
-    check.affine(op, "weight", weight, shape.hidden, device)
-    check.affine(op, "bias", bias, shape.hidden, device)
-    check.norm_kind(op, norm, bias)
-    check.eps(op, eps)
+    validation.affine(op, "weight", weight, shape.hidden, device)
+    validation.affine(op, "bias", bias, shape.hidden, device)
+    validation.norm_kind(op, norm, bias)
+    validation.eps(op, eps)
 
 
 def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_call=True) -> Optional[Features]:
     op = "norm_scale_shift"
-    check.tensor(op, "x", x)
+    validation.tensor(op, "x", x)
     device = x.device
-    shape = check.rows(op, "x", x)
-    forms = (check.modulation(op, "scale", scale, shape, device), check.modulation(op, "shift", shift, shape, device))
+    shape = validation.rows(op, "x", x)
+    forms = (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
     if describe_call and x.numel():
         return describe((x,), (scale, shift, weight, bias), hidden_size=shape.hidden, norm=norm, modulation=forms)
@@ -96,10 +96,10 @@ def _check_residual_norm_scale_shift(
     x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call=True
 ) -> Optional[Features]:
     op = "residual_norm_scale_shift"
-    device = check.activation_pair(op, "x", x, "residual", residual)
-    shape = check.rows(op, "x", x)
+    device = validation.activation_pair(op, "x", x, "residual", residual)
+    shape = validation.rows(op, "x", x)
     forms = tuple(
-        check.modulation(op, name, t, shape, device)
+        validation.modulation(op, name, t, shape, device)
         for name, t in (("gate", gate), ("scale", scale), ("shift", shift))
         if t is not None or name != "gate"
     )
@@ -113,10 +113,10 @@ def _check_residual_norm_scale_shift(
 def _select_arguments(op, x, index, modulation, weight, bias, eps):
     """Checks shared by the select ops; ``modulation`` maps the six names to tensors."""
     device = x.device
-    shape = check.rows(op, "x", x)
-    check.selection_index(op, index, shape, device)
+    shape = validation.rows(op, "x", x)
+    validation.selection_index(op, index, shape, device)
     for name, t in modulation.items():
-        check.per_batch(op, name, t, shape, device)
+        validation.per_batch(op, name, t, shape, device)
     _norm_arguments(op, shape, device, weight, bias, "layer", eps)
     return shape
 
@@ -125,7 +125,7 @@ def _check_norm_scale_shift_select(
     x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
 ) -> Optional[Features]:
     op = "norm_scale_shift_select"
-    check.tensor(op, "x", x)
+    validation.tensor(op, "x", x)
     modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
     shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
     if describe_call and x.numel():
@@ -138,9 +138,9 @@ def _check_residual_norm_scale_shift_select(
     x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
 ) -> Optional[Features]:
     op = "residual_norm_scale_shift_select"
-    check.activation_pair(op, "x", x, "residual", residual)
-    check.tensor(op, "residual_gate", residual_gate, check.ACTIVATION_DTYPES, x.device)
-    check.same_shape(op, "residual_gate", residual_gate, "x", x)
+    validation.activation_pair(op, "x", x, "residual", residual)
+    validation.tensor(op, "residual_gate", residual_gate, validation.ACTIVATION_DTYPES, x.device)
+    validation.same_shape(op, "residual_gate", residual_gate, "x", x)
     modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
     shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
     if describe_call and x.numel():
@@ -154,11 +154,11 @@ def _check_residual_norm_scale_shift_select(
 
 
 def _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act):
-    device = check.activation_pair(op, "x", x, "branch", branch)
-    shape = check.rows(op, "x", x)
-    form = check.modulation(op, "gate", gate, shape, device)
+    device = validation.activation_pair(op, "x", x, "branch", branch)
+    shape = validation.rows(op, "x", x)
+    form = validation.modulation(op, "gate", gate, shape, device)
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
-    check.choice(op, "gate_act", gate_act, check.GATE_ACTIVATIONS)
+    validation.choice(op, "gate_act", gate_act, validation.GATE_ACTIVATIONS)
     return shape, device, form
 
 
@@ -174,11 +174,11 @@ def _check_add_gate_norm_scale(
 ) -> Optional[Features]:
     op = "add_gate_norm_scale"
     shape, device, form = _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act)
-    scale_form = check.modulation(op, "scale", scale, shape, device)
-    check.affine(op, "weight2", weight2, shape.hidden, device)
-    check.affine(op, "bias2", bias2, shape.hidden, device)
+    scale_form = validation.modulation(op, "scale", scale, shape, device)
+    validation.affine(op, "weight2", weight2, shape.hidden, device)
+    validation.affine(op, "bias2", bias2, shape.hidden, device)
     if norm == "rms" and bias2 is not None:
-        check.fail(op, "bias2", "is a tensor with norm='rms'", "None (RMSNorm has no bias)")
+        validation.fail(op, "bias2", "is a tensor with norm='rms'", "None (RMSNorm has no bias)")
     if describe_call and x.numel():
         return describe(
             (x, branch),
@@ -194,12 +194,12 @@ def _check_qk_norm_rope(
 ) -> Optional[Features]:
     op = "qk_norm_rope_"
     if k is None:
-        check.fail(op, "k", "is None", "a tensor (only rope_ takes k=None)")
-    heads = check.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
+        validation.fail(op, "k", "is None", "a tensor (only rope_ takes k=None)")
+    heads = validation.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
     device = q.device
-    check.affine(op, "q_weight", q_weight, heads.head_size, device)
-    check.affine(op, "k_weight", k_weight, heads.head_size, device)
-    check.eps(op, eps)
+    validation.affine(op, "q_weight", q_weight, heads.head_size, device)
+    validation.affine(op, "k_weight", k_weight, heads.head_size, device)
+    validation.eps(op, eps)
     if describe_call and q.numel():
         return describe(
             (q, k),
@@ -213,7 +213,7 @@ def _check_qk_norm_rope(
 def _check_rope(
     q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, describe_call=True
 ) -> Optional[Features]:
-    heads = check.heads("rope_", q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
+    heads = validation.heads("rope_", q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
     if describe_call and q.numel():
         return describe(
             (q, k) if k is not None else (q,),
@@ -225,11 +225,11 @@ def _check_rope(
 
 
 def _qk_norm_rope_values(q, k, q_weight, k_weight, cos_sin_cache, positions, *_):
-    check.position_values("qk_norm_rope_", positions, cos_sin_cache)
+    validation.position_values("qk_norm_rope_", positions, cos_sin_cache)
 
 
 def _rope_values(q, k, cos_sin_cache, positions, *_):
-    check.position_values("rope_", positions, cos_sin_cache)
+    validation.position_values("rope_", positions, cos_sin_cache)
 
 
 def _one_like_x(x, *_):
