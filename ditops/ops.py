@@ -98,11 +98,8 @@ def _check_residual_norm_scale_shift(
     op = "residual_norm_scale_shift"
     device = validation.activation_pair(op, "x", x, "residual", residual)
     shape = validation.rows(op, "x", x)
-    forms = tuple(
-        validation.modulation(op, name, t, shape, device)
-        for name, t in (("gate", gate), ("scale", scale), ("shift", shift))
-        if t is not None or name != "gate"
-    )
+    gate_form = () if gate is None else (validation.modulation(op, "gate", gate, shape, device),)  # None: a gate of 1
+    forms = gate_form + (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
     if describe_call and x.numel():
         return describe(

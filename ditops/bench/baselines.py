@@ -8,6 +8,7 @@ models do: float32 modulation (Wan) makes the math float32, cast back at the end
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 from typing import Callable, Optional
@@ -172,8 +173,9 @@ def _distribution_version(module: str) -> str:
         return "installed"
 
 
+@functools.lru_cache(maxsize=None)
 def peer_status() -> dict:
-    """For each peer library: its version, or why it cannot be used here."""
+    """For each peer library: its version, or why it cannot be used here (looked up once per process)."""
     status = {}
     for name, (module, adapter) in PEERS.items():
         try:
