@@ -1,4 +1,4 @@
-"""The ``ditops`` command: info, explain, check, bench."""
+"""The ``ditops`` command: info, explain, check, bench, warmup."""
 
 from __future__ import annotations
 
@@ -130,6 +130,36 @@ def bench(arguments) -> int:
     return 0
 
 
+def warmup(arguments) -> int:
+    """Compiles (or loads from the disk cache) every CUDA kernel instance for one arch."""
+    import time
+
+    from . import kernel_cache
+    from .backends.compiled import all_instances
+    from .backends.cuda import driver
+
+    if arguments.arch:
+        arch, load = arguments.arch, False
+    elif torch.cuda.is_available() and torch.version.cuda:
+        arch, load = driver.arch_of(torch.cuda.current_device()), True
+    else:
+        raise ValueError("no NVIDIA GPU here: name the arch to compile for, e.g. --arch sm_90")
+    instances = all_instances()
+    print(f"{len(instances)} CUDA kernel instances for {arch}; cache: {kernel_cache.cache_dir() or 'off (in memory)'}")
+    compiled_count, total = 0, time.perf_counter()
+    for number, instance in enumerate(instances, 1):
+        start = time.perf_counter()
+        entry = driver.cubin(instance, arch)
+        if load:
+            driver.function(instance, torch.cuda.current_device())
+        seconds = time.perf_counter() - start
+        compiled_count += entry.compiled
+        how = "compiled" if entry.compiled else "cached"
+        print(f"[{number:3}/{len(instances)}] {instance.name_expression:<56} {how:<8} {seconds * 1e3:8.1f} ms", flush=True)
+    print(f"{compiled_count} compiled, {len(instances) - compiled_count} from the cache, {time.perf_counter() - total:.1f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ditops", description="Fused ops for diffusion transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +190,10 @@ def main(argv=None) -> int:
     bench_parser.add_argument("--no-plots", action="store_true")
     bench_parser.add_argument("--plot-from", metavar="RESULTS.json", help="only draw the charts of a saved results file")
     bench_parser.set_defaults(run=bench)
+
+    warmup_parser = commands.add_parser("warmup", help="compile every CUDA kernel for this GPU (or --arch) into the disk cache")
+    warmup_parser.add_argument("--arch", help="compile for this arch without a GPU, e.g. sm_90")
+    warmup_parser.set_defaults(run=warmup)
 
     arguments = parser.parse_args(argv)
     try:

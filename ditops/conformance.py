@@ -143,6 +143,8 @@ ROW_SPECS = {
     "hunyuan-chunked-mod": RowSpec(2, 24, 3072),
     "flux2-rms": RowSpec(1, 16, 6144, norm="rms", affine=False),
     "odd-d1000-token-mod": RowSpec(2, 7, 1000, "token", "token1", "token"),
+    "wide-d8200": RowSpec(1, 3, 8200),  # rows held by several warps (the compiled kernels' widest class)
+    "d4104-rms": RowSpec(2, 3, 4104, "vector", "batch", "token", norm="rms"),
     "per-frame": RowSpec(1, 12, 256, "frame", "frame", "frame", param_dtype=torch.float32),
     "scalar-and-vector": RowSpec(2, 5, 128, "scalar", "vector", "scalar1"),
     "vector3-rms": RowSpec(1, 9, 384, "vector3", "vector", "vector3", norm="rms"),
@@ -158,6 +160,7 @@ ROW_SPECS = {
 SELECT_SPECS = {
     "qwen-edit": RowSpec(1, 32, 3072, param_dtype=torch.float32),
     "odd-d1000": RowSpec(2, 9, 1000),
+    "d4104": RowSpec(1, 5, 4104),
     "strided-x": RowSpec(2, 6, 512, layout="strided"),
     "misaligned": RowSpec(1, 5, 200, layout="misaligned"),
     "empty": RowSpec(1, 0, 128),
@@ -166,6 +169,7 @@ SELECT_SPECS = {
 GATE_NORM_SPECS = {
     "z-image": RowSpec(1, 24, 3840, norm="rms", param_dtype=torch.float32, affine=False),
     "odd-d1000-layer": RowSpec(2, 7, 1000, gate="token"),
+    "wide-d8200-rms": RowSpec(1, 3, 8200, norm="rms"),
     "per-frame": RowSpec(1, 12, 256, gate="frame", scale="frame", norm="rms"),
     "scalar-gate": RowSpec(2, 5, 128, gate="scalar", scale="vector", norm="layer"),
     "strided-x": RowSpec(2, 6, 512, layout="strided", norm="rms"),
@@ -238,6 +242,8 @@ HEAD_SPECS = {
     "qkv-views": HeadSpec((2, 7), 4, 2, 128, layout="qkv", positions=torch.int64),
     "misaligned": HeadSpec((5,), 2, 2, 64, layout="misaligned"),
     "bf16-cache": HeadSpec((10,), 2, 2, 256, cache_dtype=torch.bfloat16),
+    "dh256-gqa-neox": HeadSpec((2, 3), 5, 2, 256, interleaved=False),
+    "dh16-neox": HeadSpec((6,), 3, 3, 16, interleaved=False, positions=torch.int32),
     "empty": HeadSpec((0,), 2, 2, 128),
 }
 

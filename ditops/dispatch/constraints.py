@@ -56,6 +56,11 @@ def unit_stride(wanted: bool, f: Features) -> Reason:
         return "needs every tensor's last dimension to have stride 1"
 
 
+def uniform_param_dtype(wanted: bool, f: Features) -> Reason:
+    if wanted and len(set(f.param_dtypes)) > 1:
+        return f"needs modulation/weight tensors of one dtype, got {_dtype_names(sorted(set(f.param_dtypes), key=str))}"
+
+
 def hidden_multiple_of(wanted: int, f: Features) -> Reason:
     if f.hidden_size % wanted:
         return f"needs D to be a multiple of {wanted}, got D={f.hidden_size}"
@@ -69,6 +74,16 @@ def max_hidden_size(wanted: int, f: Features) -> Reason:
 def head_sizes(wanted: list, f: Features) -> Reason:
     if f.head_size not in wanted:
         return f"supports Dh in {wanted}, got Dh={f.head_size}"
+
+
+def head_size_multiple_of(wanted: int, f: Features) -> Reason:
+    if f.head_size % wanted:
+        return f"needs Dh to be a multiple of {wanted}, got Dh={f.head_size}"
+
+
+def rotary_dim_multiple_of(wanted: int, f: Features) -> Reason:
+    if f.rotary_dim % wanted:
+        return f"needs R (rotary_dim) to be a multiple of {wanted}, got R={f.rotary_dim}"
 
 
 def max_head_size(wanted: int, f: Features) -> Reason:
@@ -110,11 +125,14 @@ CHECKS: dict = {
         archs,
         dtypes,
         param_dtypes,
+        uniform_param_dtype,
         alignment,
         unit_stride,
         hidden_multiple_of,
         max_hidden_size,
         head_sizes,
+        head_size_multiple_of,
+        rotary_dim_multiple_of,
         max_head_size,
         full_rotary,
         norms,

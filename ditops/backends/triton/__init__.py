@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Optional
 
 from ...dispatch.device import DeviceInfo
+from ..views import modulation, rows_of, tokens_of
 from .gated_add_norm import gated_add_norm_kernel
-from .launch import modulation, rotary_launch, row_launch, rows_of, vendor_of
+from .launch import rotary_launch, row_launch, vendor_of
 from .modulated_norm import modulated_norm_kernel
 from .rotary import rotary_kernel
 from .selected_modulation_norm import selected_modulation_norm_kernel
@@ -119,16 +120,9 @@ def add_gate_norm_scale(x, branch, gate, scale, weight, bias, weight2, bias2, no
     return out, y
 
 
-def _heads_of(t) -> tuple:
-    """(batch, tokens, batch_stride, token_stride) of q/k as [T, H, Dh] (B=1) or [B, S, H, Dh]."""
-    if t.dim() == 3:
-        return 1, t.shape[0], 0, t.stride(0)
-    return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
-
-
 def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm):
-    batch, tokens, q_batch_stride, q_token_stride = _heads_of(q)
-    _, _, k_batch_stride, k_token_stride = _heads_of(k) if k is not None else (0, 0, 0, 0)
+    batch, tokens, q_batch_stride, q_token_stride = tokens_of(q)
+    _, _, k_batch_stride, k_token_stride = tokens_of(k) if k is not None else (0, 0, 0, 0)
     head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
     heads = max(q.shape[-2], k.shape[-2] if k is not None else 0)
     launch = rotary_launch(head_size, rotary_dim, heads, vendor_of(q))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,36 +55,3 @@ def rotary_launch(head_size: int, rotary_dim: int, heads: int, vendor: str) -> R
     per_head = 2 * block_half + (block_rest if head_size > rotary_dim else 0)
     block_heads = min(triton.next_power_of_2(heads), max(1, entry["tile_elements"] // per_head))
     return RotaryLaunch(block_heads, block_half, block_rest, entry["num_warps"])
-
-
-class Rows(NamedTuple):
-    """x as [B, S, D] rows: a 2-D x [N, D] is B=1, S=N."""
-
-    batch: int
-    tokens: int
-    hidden: int
-    batch_stride: int
-    token_stride: int
-
-
-def rows_of(t: torch.Tensor) -> Rows:
-    if t.dim() == 2:
-        return Rows(1, t.shape[0], t.shape[1], 0, t.stride(0))
-    return Rows(t.shape[0], t.shape[1], t.shape[2], t.stride(0), t.stride(1))
-
-
-def modulation(t: Optional[torch.Tensor], tokens: int) -> tuple:
-    """A modulation tensor in any form of OPS.md as (tensor, batch_stride, group_stride,
-    group_size, dim_stride) for row_math.load_modulation. A size-1 dimension gets stride 0,
-    so [], [1], [D], [1, D], [B, D], [B, 1, D], [1, S, D], [B, S, D] and [B, F, 1, D] all fit."""
-    if t is None:
-        return (None, 0, 0, 1, 0)
-    shape, strides = t.shape, t.stride()
-    stride = lambda dim: strides[dim] if shape[dim] > 1 else 0  # noqa: E731
-    if t.dim() <= 1:
-        return (t, 0, 0, 1, stride(0) if t.dim() == 1 else 0)
-    if t.dim() == 2:
-        return (t, stride(0), 0, 1, stride(1))
-    if t.dim() == 3:
-        return (t, stride(0), stride(1), 1, stride(2))
-    return (t, stride(0), stride(1), tokens // shape[1], stride(3))

@@ -1,0 +1,241 @@
+"""What the CUDA and ROCm backends share: the kernels of ditops/csrc and how each op launches
+them. A backend supplies a launcher (compile or load an instance, launch it on the current
+stream); everything else, from launch shapes to argument packing, is written once here.
+
+Who may call these (devices, dtypes, alignment, sizes) is in configs/registry.yaml: the
+kernels need 16-byte aligned pointers and strides, D and Dh multiples of 8, and R a multiple
+of 16, and the code below assumes the dispatcher checked that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import itertools
+import math
+import struct
+from pathlib import Path
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import yaml
+
+from .views import modulation, rows_of, tokens_of
+
+SOURCES = Path(__file__).resolve().parents[1] / "csrc"
+LAUNCH_FILE = Path(__file__).resolve().parents[1] / "configs" / "compiled_launch.yaml"
+
+# Activation dtypes as template arguments; parameter dtypes as the run-time codes of memory.cuh.
+C_TYPES = {torch.float32: "float", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CHUNK = 8  # elements per thread access (kChunk in memory.cuh)
+MIN_ROW_BLOCK = 128
+
+
+class Instance(NamedTuple):
+    """One template instance of a kernel: what is compiled, loaded and launched."""
+
+    source: str  # file in ditops/csrc
+    kernel: str
+    template_arguments: tuple
+    block: int  # threads per block, also the last template argument
+
+    @property
+    def name_expression(self) -> str:
+        return f"{self.kernel}<{', '.join(str(a) for a in self.template_arguments)}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_settings() -> dict:
+    return yaml.safe_load(LAUNCH_FILE.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash() -> str:
+    """Hash of every kernel source and header: any change recompiles every instance."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES.glob("*.cu*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int) -> Instance:
+    """A row kernel for activations of dtype and weights/modulation of param_dtype."""
+    for entry in _launch_settings()["rows"]:
+        if hidden <= entry["max_hidden"]:
+            threads, chunks = entry["row_threads"], entry["chunks"]
+            block = max(threads, MIN_ROW_BLOCK)
+            arguments = (C_TYPES[dtype], C_TYPES[param_dtype], threads, chunks, block)
+            return Instance(f"{kernel}.cu", kernel, arguments, block)
+    raise ValueError(f"no compiled launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
+
+
+def rotary_instance(dtype: torch.dtype, head_size: int) -> Instance:
+    threads = 1 << max(0, math.ceil(math.log2(head_size / CHUNK)))
+    block = _launch_settings()["rotary_block"]
+    return Instance("rotary.cu", "rotary", (C_TYPES[dtype], threads, block), block)
+
+
+ROW_KERNELS = ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
+ROTARY_HEAD_SIZES = (8, 16, 32, 64, 128, 256)  # one instance per power-of-two thread count
+
+
+def all_instances() -> list:
+    """Every instance the registry can select: each kernel x activation dtype x launch class."""
+    instances = []
+    for dtype in C_TYPES:
+        for param_dtype, kernel, entry in itertools.product(C_TYPES, ROW_KERNELS, _launch_settings()["rows"]):
+            instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"]))
+        instances += [rotary_instance(dtype, head_size) for head_size in ROTARY_HEAD_SIZES]
+    return instances
+
+
+def pack_arguments(arguments: list) -> tuple:
+    """Kernel parameters as cuLaunchKernel and hipModuleLaunchKernel take them: the address of
+    an array of pointers, one per parameter, to the parameter's bytes. A parameter is a tensor
+    or None (a pointer), an int (long long), a float (float), or a tuple of tensors, None and
+    ints (a struct of 64-bit fields, as in memory.cuh). Returns (what to keep alive, address)."""
+    layout, values, offsets, size = ["<"], [], [], 0
+    for argument in arguments:
+        offsets.append(size)
+        for field in argument if isinstance(argument, tuple) else (argument,):
+            if isinstance(field, float):
+                layout.append("f4x")
+                values.append(field)
+            elif isinstance(field, torch.Tensor):
+                layout.append("Q")
+                values.append(field.data_ptr())
+            else:
+                layout.append("q")
+                values.append(0 if field is None else int(field))
+            size += 8
+    buffer = ctypes.create_string_buffer(struct.pack("".join(layout), *values), size)
+    base = ctypes.addressof(buffer)
+    pointers = (ctypes.c_void_p * len(offsets))(*(base + offset for offset in offsets))
+    return (buffer, pointers), ctypes.addressof(pointers)
+
+
+# Launcher: (instance, grid, packed-argument list, a tensor on the device to launch on) -> None.
+Launcher = Callable[[Instance, tuple, list, torch.Tensor], None]
+
+
+def _weight(t: Optional[torch.Tensor]) -> tuple:
+    """The rotary kernel's Weight struct: its dtype is a run-time value."""
+    return (t, DTYPE_CODES[t.dtype]) if t is not None else (None, 0)
+
+
+def _param_dtype(x: torch.Tensor, params: tuple) -> torch.dtype:
+    """The one dtype of a row kernel's weights and modulation (registry: uniform_param_dtype)."""
+    return next((t.dtype for t in params if t is not None), x.dtype)
+
+
+def _rows(t: Optional[torch.Tensor]) -> tuple:
+    if t is None:
+        return (None, 0, 0)
+    shape = rows_of(t)
+    return (t, shape.batch_stride, shape.token_stride)
+
+
+def _integers(t: Optional[torch.Tensor]) -> tuple:
+    """An integer tensor [B, S] (or [T]) as the Integers struct of memory.cuh."""
+    if t is None:
+        return (None, 0, 0, 0)
+    batch_stride, token_stride = (0, t.stride(0)) if t.dim() == 1 else t.stride()
+    return (t, t.element_size(), batch_stride, token_stride)
+
+
+class CompiledOps:
+    """The ops of OPS.md as launches of the csrc kernels, with the backend calling convention
+    (the op's arguments, then the outputs to write)."""
+
+    def __init__(self, launcher: Launcher):
+        self.launch = launcher
+
+    def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list) -> None:
+        shape = rows_of(x)
+        rows = shape.batch * shape.tokens
+        if rows == 0 or shape.hidden == 0:
+            return
+        instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden)
+        rows_per_block = instance.block // instance.template_arguments[1]
+        grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
+        self.launch(instance, grid, arguments + [rows, shape.tokens, shape.hidden], x)
+
+    def _modulated_norm(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+        tokens = rows_of(x).tokens
+        arguments = [_rows(x), _rows(residual), modulation(gate, tokens), modulation(scale, tokens),
+                     modulation(shift, tokens), weight, bias, y, residual_out, float(eps), int(norm == "rms")]
+        self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments)
+
+    def norm_scale_shift(self, x, scale, shift, weight, bias, norm, eps, y):
+        self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
+        return y
+
+    def residual_norm_scale_shift(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+        self._modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
+        return y, residual_out
+
+    def _selected_modulation_norm(self, x, residual, residual_gate, index, modulations, weight, bias, eps,
+                                  y, residual_out, gate_out):
+        tokens = rows_of(x).tokens
+        arguments = [_rows(x), _rows(residual), modulation(residual_gate, tokens), _integers(index),
+                     *(modulation(t, tokens) for t in modulations), weight, bias, y, residual_out, gate_out, float(eps)]
+        self._rows_launch("selected_modulation_norm", x, (residual_gate, *modulations, weight, bias), arguments)
+
+    def norm_scale_shift_select(self, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
+                                y, gate_out):
+        modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
+        self._selected_modulation_norm(x, None, None, index, modulations, weight, bias, eps, y, None, gate_out)
+        return y, gate_out
+
+    def residual_norm_scale_shift_select(self, x, residual, residual_gate, index, scale0, shift0, gate0, scale1,
+                                         shift1, gate1, weight, bias, eps, y, residual_out, gate_out):
+        modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
+        self._selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps,
+                                       y, residual_out, gate_out)
+        return y, residual_out, gate_out
+
+    def _gated_add_norm(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
+        tokens = rows_of(x).tokens
+        arguments = [_rows(x), _rows(branch), modulation(gate, tokens), modulation(scale, tokens),
+                     weight, bias, weight2, bias2, out, y, float(eps), int(norm == "rms"), int(gate_act == "tanh")]
+        self._rows_launch("gated_add_norm", x, (gate, scale, weight, bias, weight2, bias2), arguments)
+
+    def add_gate_norm(self, x, branch, gate, weight, bias, norm, eps, gate_act, out):
+        self._gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)
+        return out
+
+    def add_gate_norm_scale(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
+        self._gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
+        return out, y
+
+    def _rotary(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
+                position_offset, norm):
+        q_tokens = tokens_of(q)
+        q_heads, k_heads = q.shape[-2], (k.shape[-2] if k is not None else 0)
+        rows = q_tokens.batch * q_tokens.tokens
+        if rows == 0 or q.shape[-1] == 0:
+            return
+        instance = rotary_instance(q.dtype, q.shape[-1])
+        heads_per_block = instance.block // instance.template_arguments[1]
+        grid = (rows, (q_heads + k_heads + heads_per_block - 1) // heads_per_block, 1)
+        k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
+        arguments = [
+            (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
+            (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
+            q_heads, k_heads, q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[1], position_offset,
+            float(eps), int(norm), int(interleaved),
+        ]
+        self.launch(instance, grid, arguments, q)
+
+    def qk_norm_rope_(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
+                      position_offset):
+        self._rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
+                     position_offset, norm=True)
+        return q, k
+
+    def rope_(self, q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
+        self._rotary(q, k, None, None, cos_sin_cache, positions, interleaved, rotary_dim, 0.0, position_offset,
+                     norm=False)
+        return q, k

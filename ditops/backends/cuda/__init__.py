@@ -1,0 +1,33 @@
+"""The CUDA backend: the kernels of ditops/csrc compiled at run time by NVRTC for the exact
+arch of the device, cached on disk (ditops/kernel_cache.py), loaded and launched through
+cuda-python on torch's current stream. Launch shapes and argument packing are shared with the
+ROCm backend (ditops/backends/compiled.py); who may call it is in configs/registry.yaml."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ...dispatch.device import DeviceInfo
+from ..compiled import CompiledOps
+from .driver import launch
+
+
+def available(device: DeviceInfo) -> Optional[str]:
+    if device.vendor != "cuda":
+        return "compiles CUDA C++ for NVIDIA GPUs only"
+    try:
+        from cuda.bindings import driver, nvrtc  # noqa: F401
+    except ImportError as error:
+        return f"needs cuda-python (pip install cuda-python): {error}"
+    return None
+
+
+_ops = CompiledOps(launch)
+norm_scale_shift = _ops.norm_scale_shift
+residual_norm_scale_shift = _ops.residual_norm_scale_shift
+norm_scale_shift_select = _ops.norm_scale_shift_select
+residual_norm_scale_shift_select = _ops.residual_norm_scale_shift_select
+add_gate_norm = _ops.add_gate_norm
+add_gate_norm_scale = _ops.add_gate_norm_scale
+qk_norm_rope_ = _ops.qk_norm_rope_
+rope_ = _ops.rope_

@@ -1,0 +1,55 @@
+// What differs between NVIDIA (NVRTC) and AMD (hiprtc): the warp width, lane exchanges and
+// the 16-bit float types. Kernel files use only what this header defines, so the code an AMD
+// GPU runs differs from what an NVIDIA GPU runs only in kWarpSize.
+#pragma once
+
+#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__)
+
+#ifndef __HIPCC_RTC__  // hiprtc pre-includes the runtime and its fp16 builtins
+#include <hip/hip_runtime.h>
+#endif
+
+constexpr int kWarpSize = 64;  // CDNA wavefronts (gfx90a, gfx942, gfx950)
+
+__device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor(value, lane_mask, kWarpSize); }
+__device__ inline float shuffle(float value, int source_lane) { return __shfl(value, source_lane, kWarpSize); }
+
+using float16 = _Float16;
+__device__ inline float to_float(float16 value) { return static_cast<float>(value); }
+template <typename T> __device__ inline T from_float(float value);
+template <> __device__ inline float16 from_float<float16>(float value) { return static_cast<float16>(value); }
+
+// bfloat16 as its 16 bits, converted by hand so that rounding is exactly torch's
+// (round to nearest even, NaN stays NaN) whatever the ROCm version's headers offer.
+struct bfloat16 { unsigned short bits; };
+__device__ inline float to_float(bfloat16 value) { return __uint_as_float(static_cast<unsigned>(value.bits) << 16); }
+template <> __device__ inline bfloat16 from_float<bfloat16>(float value) {
+    unsigned bits = __float_as_uint(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return bfloat16{static_cast<unsigned short>((bits >> 16) | 0x40u)};
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return bfloat16{static_cast<unsigned short>(bits >> 16)};
+}
+
+#else
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kAllLanes = 0xffffffffu;  // every kernel calls lane exchanges with the whole warp
+
+__device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor_sync(kAllLanes, value, lane_mask); }
+__device__ inline float shuffle(float value, int source_lane) { return __shfl_sync(kAllLanes, value, source_lane); }
+
+using float16 = __half;
+using bfloat16 = __nv_bfloat16;
+__device__ inline float to_float(float16 value) { return __half2float(value); }
+__device__ inline float to_float(bfloat16 value) { return __bfloat162float(value); }
+template <typename T> __device__ inline T from_float(float value);
+template <> __device__ inline float16 from_float<float16>(float value) { return __float2half_rn(value); }
+template <> __device__ inline bfloat16 from_float<bfloat16>(float value) { return __float2bfloat16_rn(value); }
+
+#endif
+
+__device__ inline float to_float(float value) { return value; }
+template <> __device__ inline float from_float<float>(float value) { return value; }

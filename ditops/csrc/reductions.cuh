@@ -1,0 +1,26 @@
+// Sums over the GROUP consecutive threads that hold one row (or one head). Every thread of
+// the group gets the sum, added in a fixed order so results never depend on timing.
+#pragma once
+#include "portability.cuh"
+
+// Groups no wider than a warp reduce with lane exchanges alone; wider groups also add their
+// warps' partial sums through shared memory, so every thread of the block must call this.
+template <int GROUP, int BLOCK>
+__device__ inline float group_sum(float value) {
+    constexpr int lanes = GROUP < kWarpSize ? GROUP : kWarpSize;
+#pragma unroll
+    for (int mask = lanes / 2; mask > 0; mask /= 2) value += shuffle_xor(value, mask);
+    if constexpr (GROUP > kWarpSize) {
+        constexpr int warps_per_group = GROUP / kWarpSize;
+        __shared__ float partial[BLOCK / kWarpSize];
+        const int warp = threadIdx.x / kWarpSize;
+        if (threadIdx.x % kWarpSize == 0) partial[warp] = value;
+        __syncthreads();
+        const int first = warp - warp % warps_per_group;
+        value = 0.0f;
+#pragma unroll
+        for (int w = 0; w < warps_per_group; ++w) value += partial[first + w];
+        __syncthreads();  // the next call writes partial again
+    }
+    return value;
+}

@@ -1,0 +1,47 @@
+// Op 3 (Qwen-Image-Edit): LayerNorm with per-token modulation chosen from two [B, D] sets by
+// index[b, s], optionally after residual_out = residual + residual_gate * x. gate_out gets the
+// chosen gate so that the next call can take it as its residual_gate.
+#include "row_tile.cuh"
+
+template <typename T, typename P, int ROW_THREADS, int CHUNKS, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) selected_modulation_norm(
+    Rows x, Rows residual, Modulation residual_gate, Integers index,
+    Modulation scale0, Modulation shift0, Modulation gate0, Modulation scale1, Modulation shift1, Modulation gate1,
+    const P* weight, const P* bias, T* y, T* residual_out, T* gate_out,
+    float eps, long long rows, long long tokens, long long hidden) {
+    const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
+    float v[CHUNKS][kChunk];
+    load_row<T, ROW_THREADS, CHUNKS>(x, at, hidden, v);
+    if (residual.data) {
+        float previous[CHUNKS][kChunk];
+        load_row<T, ROW_THREADS, CHUNKS>(residual, at, hidden, previous);
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            const long long column = at.column<ROW_THREADS>(i);
+            if (!(at.valid && column < hidden)) continue;
+            float g[kChunk];
+            load_modulation<P>(residual_gate, at.batch, at.token, column, g);
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) v[i][e] = to_float(from_float<T>(previous[i][e] + g[e] * v[i][e]));
+            store_chunk(residual_out + at.row * hidden + column, v[i]);
+        }
+    }
+    normalize_row<P, ROW_THREADS, CHUNKS, BLOCK>(v, at, hidden, eps, false, weight, bias);
+    const bool second = at.valid && load_integer(index, at.batch, at.token) != 0;
+    const Modulation& scale = second ? scale1 : scale0;
+    const Modulation& shift = second ? shift1 : shift0;
+    const Modulation& gate = second ? gate1 : gate0;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        const long long column = at.column<ROW_THREADS>(i);
+        if (!(at.valid && column < hidden)) continue;
+        float s[kChunk], t[kChunk], g[kChunk];
+        load_modulation<P>(scale, at.batch, at.token, column, s);
+        load_modulation<P>(shift, at.batch, at.token, column, t);
+        load_modulation<P>(gate, at.batch, at.token, column, g);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) v[i][e] = v[i][e] * (1.0f + s[e]) + t[e];
+        store_chunk(y + at.row * hidden + column, v[i]);
+        store_chunk(gate_out + at.row * hidden + column, g);
+    }
+}
