@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections import Counter, defaultdict
 
@@ -132,6 +133,7 @@ def bench(arguments) -> int:
 
 def warmup(arguments) -> int:
     """Compiles (or loads from the disk cache) every CUDA kernel instance for one arch."""
+    import concurrent.futures
     import time
 
     from . import kernel_cache
@@ -146,17 +148,26 @@ def warmup(arguments) -> int:
         raise ValueError("no NVIDIA GPU here: name the arch to compile for, e.g. --arch sm_90")
     instances = all_instances()
     print(f"{len(instances)} CUDA kernel instances for {arch}; cache: {kernel_cache.cache_dir() or 'off (in memory)'}")
-    compiled_count, total = 0, time.perf_counter()
-    for number, instance in enumerate(instances, 1):
+
+    def prepare(instance) -> tuple:
         start = time.perf_counter()
         entry = driver.cubin(instance, arch)
+        return entry.compiled, time.perf_counter() - start
+
+    # NVRTC releases the GIL, so threads compile in parallel; loading stays on this thread.
+    total = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(arguments.jobs) as pool:
+        prepared = list(pool.map(prepare, instances))
+    for number, (instance, (compiled, seconds)) in enumerate(zip(instances, prepared), 1):
+        start = time.perf_counter()
         if load:
             driver.function(instance, torch.cuda.current_device())
-        seconds = time.perf_counter() - start
-        compiled_count += entry.compiled
-        how = "compiled" if entry.compiled else "cached"
-        print(f"[{number:3}/{len(instances)}] {instance.name_expression:<56} {how:<8} {seconds * 1e3:8.1f} ms", flush=True)
-    print(f"{compiled_count} compiled, {len(instances) - compiled_count} from the cache, {time.perf_counter() - total:.1f} s")
+        how = "compiled" if compiled else "cached"
+        print(f"[{number:3}/{len(instances)}] {instance.name_expression:<52} {how:<8} {seconds * 1e3:7.1f} ms"
+              + (f"  load {(time.perf_counter() - start) * 1e3:5.2f} ms" if load else ""), flush=True)
+    compiled_count = sum(compiled for compiled, _ in prepared)
+    print(f"{compiled_count} compiled, {len(instances) - compiled_count} from the cache, "
+          f"{time.perf_counter() - total:.1f} s with {arguments.jobs} threads")
     return 0
 
 
@@ -193,6 +204,7 @@ def main(argv=None) -> int:
 
     warmup_parser = commands.add_parser("warmup", help="compile every CUDA kernel for this GPU (or --arch) into the disk cache")
     warmup_parser.add_argument("--arch", help="compile for this arch without a GPU, e.g. sm_90")
+    warmup_parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="compile threads (default: one per CPU)")
     warmup_parser.set_defaults(run=warmup)
 
     arguments = parser.parse_args(argv)
