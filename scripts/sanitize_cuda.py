@@ -1,8 +1,8 @@
 """Every conformance case on the CUDA backend, for compute-sanitizer: odd D and Dh, GQA/MQA,
 partial rotary, strided views, every modulation form, every launch class of the row kernels.
 Exits 1 if a case fails. Usage:
-  compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_cuda.py
-  compute-sanitizer --tool racecheck --error-exitcode 9 python scripts/sanitize_cuda.py --ops norm_scale_shift
+  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py
+  compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py --ops norm_scale_shift
 """
 
 import argparse

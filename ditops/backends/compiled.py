@@ -40,6 +40,7 @@ class Instance(NamedTuple):
     kernel: str
     template_arguments: tuple
     block: int  # threads per block, also the last template argument
+    group: int  # threads per row (row kernels) or per head (rotary): a block holds block // group of them
 
     @property
     def name_expression(self) -> str:
@@ -67,14 +68,14 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
             threads, chunks = entry["row_threads"], entry["chunks"]
             block = max(threads, MIN_ROW_BLOCK)
             arguments = (C_TYPES[dtype], C_TYPES[param_dtype], threads, chunks, block)
-            return Instance(f"{kernel}.cu", kernel, arguments, block)
+            return Instance(f"{kernel}.cu", kernel, arguments, block, threads)
     raise ValueError(f"no compiled launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
 
 def rotary_instance(dtype: torch.dtype, head_size: int) -> Instance:
     threads = 1 << max(0, math.ceil(math.log2(head_size / CHUNK)))
     block = _launch_settings()["rotary_block"]
-    return Instance("rotary.cu", "rotary", (C_TYPES[dtype], threads, block), block)
+    return Instance("rotary.cu", "rotary", (C_TYPES[dtype], threads, block), block, threads)
 
 
 ROW_KERNELS = ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
@@ -158,7 +159,7 @@ class CompiledOps:
         if rows == 0 or shape.hidden == 0:
             return
         instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden)
-        rows_per_block = instance.block // instance.template_arguments[1]
+        rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
         self.launch(instance, grid, arguments + [rows, shape.tokens, shape.hidden], x)
 
@@ -218,7 +219,7 @@ class CompiledOps:
         if rows == 0 or q.shape[-1] == 0:
             return
         instance = rotary_instance(q.dtype, q.shape[-1])
-        heads_per_block = instance.block // instance.template_arguments[1]
+        heads_per_block = instance.block // instance.group
         grid = (rows, (q_heads + k_heads + heads_per_block - 1) // heads_per_block, 1)
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
