@@ -29,11 +29,15 @@ def example_arguments(
     dtype: torch.dtype = torch.bfloat16,
     device="cpu",
     seed: int = 0,
+    param_dtype: Optional[torch.dtype] = None,
 ) -> dict:
     """Keyword arguments for ``ditops.<op>``: per-batch [B, D] modulation views of one [B, 6, D]
-    tensor (as DiTs chunk it), float32 weights, a float32 cos/sin cache, no positions."""
+    tensor (as DiTs chunk it), float32 weights, a float32 cos/sin cache, no positions.
+    With param_dtype, every tensor but the activations has that dtype (as in Wan: float32)."""
     shape = tuple(shape or DEFAULT_SHAPES[op])
     generator = torch.Generator().manual_seed(seed)
+    weight_dtype = param_dtype or torch.float32
+    modulation_dtype = param_dtype or dtype
 
     def random(*size, dtype=dtype):
         return torch.randn(size, generator=generator).to(dtype=dtype, device=device)
@@ -44,29 +48,29 @@ def example_arguments(
         arguments = dict(
             q=random(*shape),
             k=random(*shape),
-            cos_sin_cache=random(tokens, head_size, dtype=torch.float32),
+            cos_sin_cache=random(tokens, head_size, dtype=weight_dtype),
         )
         if op == "qk_norm_rope_":
-            arguments.update(q_weight=random(head_size, dtype=torch.float32), k_weight=random(head_size, dtype=torch.float32))
+            arguments.update(q_weight=random(head_size, dtype=weight_dtype), k_weight=random(head_size, dtype=weight_dtype))
         return arguments
 
     batch, tokens, hidden = shape if len(shape) == 3 else (1, *shape)
     x = random(*shape)
-    modulation = random(batch, 6, hidden) * 0.1
+    modulation = random(batch, 6, hidden, dtype=modulation_dtype) * 0.1
     shift, scale, gate = modulation[:, 0], modulation[:, 1], modulation[:, 2]
-    affine = dict(weight=random(hidden, dtype=torch.float32), bias=random(hidden, dtype=torch.float32))
+    affine = dict(weight=random(hidden, dtype=weight_dtype), bias=random(hidden, dtype=weight_dtype))
     if op == "norm_scale_shift":
         return dict(x=x, scale=scale, shift=shift, **affine)
     if op == "residual_norm_scale_shift":
         return dict(x=x, residual=random(*shape), gate=gate, scale=scale, shift=shift, **affine)
     if op in ("norm_scale_shift_select", "residual_norm_scale_shift_select"):
-        other = random(batch, 6, hidden) * 0.1
+        other = random(batch, 6, hidden, dtype=modulation_dtype) * 0.1
         index = torch.zeros(batch, tokens, dtype=torch.int64, device=device)
         index[:, tokens // 2 :] = 1  # Qwen-Image-Edit: the first half uses set 0, the second set 1
         arguments = dict(x=x, index=index, scale0=scale, shift0=shift, gate0=gate)
         arguments.update(scale1=other[:, 1], shift1=other[:, 0], gate1=other[:, 2], **affine)
         if op == "residual_norm_scale_shift_select":
-            arguments.update(residual=random(*shape), residual_gate=random(*shape))
+            arguments.update(residual=random(*shape), residual_gate=random(*shape, dtype=modulation_dtype))
         return arguments
     rms_weight = dict(weight=affine["weight"])
     if op == "add_gate_norm":
