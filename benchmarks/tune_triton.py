@@ -34,13 +34,13 @@ ROW_CASES = [
 ROTARY_CASES = [("qk_norm_rope_", "FLUX.1-dev 1024px"), ("qk_norm_rope_", "HunyuanVideo 720p"), ("rope_", "LLM GQA Dh96 NeoX")]
 
 
-def measure(op: str, model: str, l2_bytes: int, copy_gbps: float) -> tuple:
+def measure(op: str, model: str, l2_bytes: int, copy_gbps: float, backend: str = "triton") -> tuple:
     case = next(c for c in CASES if c.op == op and c.model == model)
     first = case.build("cuda", torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
     size = minimum_bytes(op, first)
     sets = [first] + [case.build("cuda", torch.bfloat16, torch.Generator(device="cuda").manual_seed(seed))
                       for seed in range(1, timing.rotation_sets(size, l2_bytes))]
-    calls = [lambda a=a: PUBLIC[op](**a, backend="triton") for a in sets]
+    calls = [lambda a=a: PUBLIC[op](**a, backend=backend) for a in sets]
     us = timing.cuda_graph(calls).us
     return us, 100 * size / (us * 1e3) / copy_gbps
 

@@ -1,6 +1,6 @@
 """Every CUDA kernel instance the registry can select compiles with NVRTC to machine code for
 sm_80 and sm_90, with no GPU: a real cubin (ELF for the CUDA machine) holding the kernel,
-within the register file and with no local-memory spills."""
+within the register file and with nothing in local memory (no spills, no stack frame)."""
 
 import struct
 
@@ -16,7 +16,7 @@ INSTANCES = all_instances()
 
 @pytest.mark.parametrize("instance", INSTANCES, ids=lambda instance: instance.name_expression.replace(" ", ""))
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_instance_compiles_to_cubin_without_spills(arch, instance):
+def test_instance_compiles_to_cubin_without_local_memory(arch, instance):
     compiled = nvrtc.compile_instance(instance, arch)
     assert compiled.cubin[:4] == b"\x7fELF"
     (machine,) = struct.unpack_from("<H", compiled.cubin, 18)
@@ -24,6 +24,7 @@ def test_instance_compiles_to_cubin_without_spills(arch, instance):
     assert compiled.lowered_name.encode() in compiled.cubin
     assert 0 < compiled.registers <= 255, f"{compiled.registers} registers"
     assert compiled.spill_bytes == 0, f"{compiled.spill_bytes} bytes of spills"
+    assert compiled.stack_bytes == 0, f"{compiled.stack_bytes} bytes of local-memory stack"
 
 
 def test_the_instances_cover_every_dtype_and_row_class():

@@ -11,12 +11,13 @@ __global__ void __launch_bounds__(BLOCK) gated_add_norm(
     load_row<T, ROW_THREADS, CHUNKS>(branch, at, hidden, v);
     load_row<T, ROW_THREADS, CHUNKS>(x, at, hidden, residual);  // loaded early: its latency hides behind the norm
     normalize_row<P, ROW_THREADS, CHUNKS, BLOCK>(v, at, hidden, eps, rms != 0, weight, bias);
+    const ModulationRow<P> gate_row(gate, at.batch, at.token);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         const long long column = at.column<ROW_THREADS>(i);
         if (!(at.valid && column < hidden)) continue;
         float g[kChunk];
-        load_modulation<P>(gate, at.batch, at.token, column, g);
+        gate_row.load(column, g);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) {
             const float activated = tanh_gate ? tanhf(g[e]) : g[e];
@@ -26,12 +27,13 @@ __global__ void __launch_bounds__(BLOCK) gated_add_norm(
     }
     if (y == nullptr) return;  // uniform across the block: add_gate_norm has no y
     normalize_row<P, ROW_THREADS, CHUNKS, BLOCK>(v, at, hidden, eps, rms != 0, weight2, bias2);
+    const ModulationRow<P> scale_row(scale, at.batch, at.token);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         const long long column = at.column<ROW_THREADS>(i);
         if (!(at.valid && column < hidden)) continue;
         float s[kChunk];
-        load_modulation<P>(scale, at.batch, at.token, column, s);
+        scale_row.load(column, s);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) v[i][e] *= 1.0f + s[e];
         store_chunk(y + at.row * hidden + column, v[i]);

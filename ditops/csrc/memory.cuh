@@ -67,18 +67,29 @@ struct Modulation {
     long long dim_stride;
 };
 
+// One row's modulation vector: found once per row (the division by group_size is costly),
+// then read chunk by chunk. data == nullptr: the tensor is absent.
 template <typename P>
-__device__ inline void load_modulation(const Modulation& m, long long batch, long long token, long long column,
-                                       float (&values)[kChunk]) {
-    const P* data = static_cast<const P*>(m.data) + batch * m.batch_stride + (token / m.group_size) * m.group_stride;
-    if (m.dim_stride == 0) {
-        const float value = to_float(*data);
+struct ModulationRow {
+    const P* data;
+    bool scalar;  // one value for the whole row
+
+    __device__ ModulationRow(const Modulation& m, int batch, int token)
+        : data(m.data ? static_cast<const P*>(m.data) + batch * m.batch_stride
+                            + static_cast<long long>(token / static_cast<int>(m.group_size)) * m.group_stride
+                      : nullptr),
+          scalar(m.dim_stride == 0) {}
+
+    __device__ void load(long long column, float (&values)[kChunk]) const {
+        if (scalar) {
+            const float value = to_float(*data);
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i) values[i] = value;
-    } else {
-        load_chunk(data + column, values);
+            for (int i = 0; i < kChunk; ++i) values[i] = value;
+        } else {
+            load_chunk(data + column, values);
+        }
     }
-}
+};
 
 // An integer tensor [B, S] (or [T], batch_stride 0) of any integer or bool dtype, read as
 // long long: positions and selection indices.

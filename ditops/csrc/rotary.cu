@@ -29,15 +29,15 @@ __global__ void __launch_bounds__(BLOCK) rotary(
     long long q_heads, long long k_heads, long long tokens, long long head_size, long long rotary_dim,
     long long position_offset, float eps, long long norm, long long interleaved) {
     static_assert(HEAD_THREADS <= kWarpSize, "NeoX pairs are exchanged between lanes of one warp");
-    const long long batch = blockIdx.x / tokens, token = blockIdx.x % tokens;
+    const int batch = blockIdx.x / static_cast<int>(tokens), token = blockIdx.x - batch * static_cast<int>(tokens);
     const long long head = static_cast<long long>(blockIdx.y) * (BLOCK / HEAD_THREADS) + threadIdx.x / HEAD_THREADS;
     const int lane = threadIdx.x % HEAD_THREADS;
     const long long column = static_cast<long long>(lane) * kChunk;
     const bool is_q = head < q_heads;
     const bool valid = head < q_heads + k_heads && column < head_size;
-    const Heads& tensor = is_q ? q : k;
-    T* values = static_cast<T*>(tensor.data) + batch * tensor.batch_stride + token * tensor.token_stride
-                + (is_q ? head : head - q_heads) * head_size + column;
+    // chosen field by field: selecting a kernel parameter by reference copies it to local memory
+    T* values = static_cast<T*>(is_q ? q.data : k.data) + batch * (is_q ? q.batch_stride : k.batch_stride)
+                + token * (is_q ? q.token_stride : k.token_stride) + (is_q ? head : head - q_heads) * head_size + column;
 
     float v[kChunk] = {};
     if (valid) load_chunk(values, v);
@@ -46,11 +46,11 @@ __global__ void __launch_bounds__(BLOCK) rotary(
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) squares += v[e] * v[e];
         const float inverse_rms = rsqrtf(group_sum<HEAD_THREADS, BLOCK>(squares) / head_size + eps);
-        const Weight& weight = is_q ? q_weight : k_weight;
+        const void* weight = is_q ? q_weight.data : k_weight.data;
         float w[kChunk];
-        if (valid && weight.data) load_chunk_of_dtype(weight.data, weight.dtype, column, w);
+        if (valid && weight) load_chunk_of_dtype(weight, is_q ? q_weight.dtype : k_weight.dtype, column, w);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) v[e] *= valid && weight.data ? inverse_rms * w[e] : inverse_rms;
+        for (int e = 0; e < kChunk; ++e) v[e] *= valid && weight ? inverse_rms * w[e] : inverse_rms;
     }
 
     const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;

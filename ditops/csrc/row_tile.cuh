@@ -8,7 +8,8 @@
 #include "reductions.cuh"
 
 struct RowPosition {
-    long long row, batch, token;
+    long long row;
+    int batch, token;  // 32-bit: the launch code keeps B * S below 2^31, and 64-bit division is slow
     int lane;
     bool valid;  // false for the padding rows of the last block: they load zeros and store nothing
 
@@ -17,8 +18,8 @@ struct RowPosition {
         RowPosition at;
         at.row = static_cast<long long>(blockIdx.x) * (BLOCK / ROW_THREADS) + threadIdx.x / ROW_THREADS;
         at.valid = at.row < rows;
-        at.batch = at.row / tokens;
-        at.token = at.row % tokens;
+        at.batch = static_cast<int>(at.row / tokens);
+        at.token = static_cast<int>(at.row - static_cast<long long>(at.batch) * tokens);
         at.lane = threadIdx.x % ROW_THREADS;
         return at;
     }

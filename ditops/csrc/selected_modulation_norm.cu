@@ -13,6 +13,7 @@ __global__ void __launch_bounds__(BLOCK) selected_modulation_norm(
     float v[CHUNKS][kChunk];
     load_row<T, ROW_THREADS, CHUNKS>(x, at, hidden, v);
     if (residual.data) {
+        const ModulationRow<P> residual_gate_row(residual_gate, at.batch, at.token);
         float previous[CHUNKS][kChunk];
         load_row<T, ROW_THREADS, CHUNKS>(residual, at, hidden, previous);
 #pragma unroll
@@ -20,7 +21,7 @@ __global__ void __launch_bounds__(BLOCK) selected_modulation_norm(
             const long long column = at.column<ROW_THREADS>(i);
             if (!(at.valid && column < hidden)) continue;
             float g[kChunk];
-            load_modulation<P>(residual_gate, at.batch, at.token, column, g);
+            residual_gate_row.load(column, g);
 #pragma unroll
             for (int e = 0; e < kChunk; ++e) v[i][e] = to_float(from_float<T>(previous[i][e] + g[e] * v[i][e]));
             store_chunk(residual_out + at.row * hidden + column, v[i]);
@@ -28,17 +29,19 @@ __global__ void __launch_bounds__(BLOCK) selected_modulation_norm(
     }
     normalize_row<P, ROW_THREADS, CHUNKS, BLOCK>(v, at, hidden, eps, false, weight, bias);
     const bool second = at.valid && load_integer(index, at.batch, at.token) != 0;
-    const Modulation& scale = second ? scale1 : scale0;
-    const Modulation& shift = second ? shift1 : shift0;
-    const Modulation& gate = second ? gate1 : gate0;
+    // rows of both sets, then chosen by value: choosing a kernel parameter or a local by reference
+    // would move them to local memory
+    const ModulationRow<P> scale_row = second ? ModulationRow<P>(scale1, at.batch, at.token) : ModulationRow<P>(scale0, at.batch, at.token);
+    const ModulationRow<P> shift_row = second ? ModulationRow<P>(shift1, at.batch, at.token) : ModulationRow<P>(shift0, at.batch, at.token);
+    const ModulationRow<P> gate_row = second ? ModulationRow<P>(gate1, at.batch, at.token) : ModulationRow<P>(gate0, at.batch, at.token);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         const long long column = at.column<ROW_THREADS>(i);
         if (!(at.valid && column < hidden)) continue;
         float s[kChunk], t[kChunk], g[kChunk];
-        load_modulation<P>(scale, at.batch, at.token, column, s);
-        load_modulation<P>(shift, at.batch, at.token, column, t);
-        load_modulation<P>(gate, at.batch, at.token, column, g);
+        scale_row.load(column, s);
+        shift_row.load(column, t);
+        gate_row.load(column, g);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) v[i][e] = v[i][e] * (1.0f + s[e]) + t[e];
         store_chunk(y + at.row * hidden + column, v[i]);

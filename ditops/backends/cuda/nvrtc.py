@@ -22,6 +22,7 @@ class Compiled(NamedTuple):
     lowered_name: str  # the mangled name of the instance in the cubin
     registers: int
     spill_bytes: int  # spill stores + loads, per ptxas
+    stack_bytes: int  # local-memory stack frame (arrays or parameters the compiler could not keep in registers)
     seconds: float
 
 
@@ -89,5 +90,6 @@ def compile_instance(instance: Instance, arch: str) -> Compiled:
         nvrtc.nvrtcDestroyProgram(program)
     registers = re.search(r"Used (\d+) registers", log)
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    stack = re.search(r"(\d+) bytes stack frame", log)
     return Compiled(cubin, lowered.decode(), int(registers.group(1)) if registers else -1, sum(spills),
-                    time.perf_counter() - start)
+                    int(stack.group(1)) if stack else -1, time.perf_counter() - start)
