@@ -9,6 +9,7 @@ Usage: python benchmarks/tune_compiled.py
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -46,7 +47,7 @@ def main() -> None:
     results = []
     original_row, original_rotary = compiled.row_instance, compiled.rotary_instance
     for op, model, hidden in ROW_CASES:
-        for chunks in (1, 2, 3, 4, 5, 6, 8):
+        for chunks in (2, 3, 4, 5, 6, 8):
             threads, block = row_shape(hidden, chunks)
             if threads > 1024:
                 continue
@@ -61,15 +62,15 @@ def main() -> None:
             print(f"{op:28} {model:24} threads={threads:4} chunks={chunks} block={block:4}: {us:8.1f} us {pct:5.1f}%", flush=True)
     compiled.row_instance = original_row
     for op, model in ROTARY_CASES:
-        for block in (64, 128, 256, 512):
-            def rotary_instance(dtype, head_size, block=block):
+        for block, items in itertools.product((64, 128, 256), (1, 2, 4)):
+            def rotary_instance(dtype, head_size, block=block, items=items):
                 chosen = original_rotary(dtype, head_size)
-                return chosen._replace(template_arguments=chosen.template_arguments[:2] + (block,), block=block)
+                return chosen._replace(template_arguments=chosen.template_arguments[:2] + (block, items), block=block)
 
             compiled.rotary_instance = rotary_instance
             us, pct = measure(op, model, l2_bytes, copy_gbps, backend="cuda")
-            results.append(dict(op=op, model=model, block=block, us=us, pct=pct))
-            print(f"{op:28} {model:24} block={block:4}: {us:8.1f} us {pct:5.1f}%", flush=True)
+            results.append(dict(op=op, model=model, block=block, items=items, us=us, pct=pct))
+            print(f"{op:28} {model:24} block={block:4} items={items}: {us:8.1f} us {pct:5.1f}%", flush=True)
     compiled.rotary_instance = original_rotary
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as file:

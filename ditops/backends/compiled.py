@@ -73,9 +73,10 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
 
 
 def rotary_instance(dtype: torch.dtype, head_size: int) -> Instance:
+    settings = _launch_settings()["rotary"]
     threads = 1 << max(0, math.ceil(math.log2(head_size / CHUNK)))
-    block = _launch_settings()["rotary_block"]
-    return Instance("rotary.cu", "rotary", (C_TYPES[dtype], threads, block), block, threads)
+    block, items = settings["block"], settings["items"]
+    return Instance("rotary.cu", "rotary", (C_TYPES[dtype], threads, block, items), block, threads)
 
 
 ROW_KERNELS = ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
@@ -219,8 +220,7 @@ class CompiledOps:
         if rows == 0 or q.shape[-1] == 0:
             return
         instance = rotary_instance(q.dtype, q.shape[-1])
-        heads_per_block = instance.block // instance.group
-        grid = (rows, (q_heads + k_heads + heads_per_block - 1) // heads_per_block, 1)
+        grid = (rows, 1, 1)
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),

@@ -8,37 +8,38 @@ __global__ void __launch_bounds__(BLOCK) modulated_norm(
     Rows x, Rows residual, Modulation gate, Modulation scale, Modulation shift, const P* weight, const P* bias,
     T* y, T* residual_out, float eps, long long rms, long long rows, long long tokens, long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
-    float v[CHUNKS][kChunk];
-    load_row<T, ROW_THREADS, CHUNKS>(x, at, hidden, v);
+    Row<T, ROW_THREADS, CHUNKS> row;
+    row.load(x, at, hidden);
     if (residual.data) {
+        Row<T, ROW_THREADS, CHUNKS> previous;
+        previous.load(residual, at, hidden);
         const ModulationRow<P> gate_row(gate, at.batch, at.token);
-        float previous[CHUNKS][kChunk];
-        load_row<T, ROW_THREADS, CHUNKS>(residual, at, hidden, previous);
 #pragma unroll
         for (int i = 0; i < CHUNKS; ++i) {
-            const long long column = at.column<ROW_THREADS>(i);
-            if (!(at.valid && column < hidden)) continue;
-            float g[kChunk];
-            if (gate_row.data) gate_row.load(column, g);
+            if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+            float v[kChunk], r[kChunk], g[kChunk];
+            row.get(i, v);
+            previous.get(i, r);
+            if (gate_row.data) gate_row.load(at.column<ROW_THREADS>(i), g);
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) {
-                // the norm reads residual_out as stored, rounded to T
-                v[i][e] = to_float(from_float<T>(previous[i][e] + (gate_row.data ? g[e] * v[i][e] : v[i][e])));
-            }
-            store_chunk(residual_out + at.row * hidden + column, v[i]);
+            for (int e = 0; e < kChunk; ++e) v[e] = r[e] + (gate_row.data ? g[e] * v[e] : v[e]);
+            row.set(i, v);  // the norm reads residual_out as stored
+            row.store(residual_out + at.row * hidden, at, i);
         }
     }
-    normalize_row<P, ROW_THREADS, CHUNKS, BLOCK>(v, at, hidden, eps, rms != 0, weight, bias);
+    const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
     const ModulationRow<P> scale_row(scale, at.batch, at.token), shift_row(shift, at.batch, at.token);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
+        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
         const long long column = at.column<ROW_THREADS>(i);
-        if (!(at.valid && column < hidden)) continue;
-        float s[kChunk], t[kChunk];
+        float v[kChunk], s[kChunk], t[kChunk];
+        normalized_chunk(row, i, statistics, weight, bias, column, v);
         scale_row.load(column, s);
         if (shift_row.data) shift_row.load(column, t);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) v[i][e] = v[i][e] * (1.0f + s[e]) + (shift_row.data ? t[e] : 0.0f);
-        store_chunk(y + at.row * hidden + column, v[i]);
+        for (int e = 0; e < kChunk; ++e) v[e] = v[e] * (1.0f + s[e]) + (shift_row.data ? t[e] : 0.0f);
+        row.set(i, v);
+        row.store(y + at.row * hidden, at, i);
     }
 }

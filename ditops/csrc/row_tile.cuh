@@ -1,8 +1,9 @@
-// What the row kernels share: which row a thread works on, and the norm of a row held in
-// registers. A row (one token's D values) belongs to ROW_THREADS consecutive threads of a
+// What the row kernels share: which row a thread works on, the row held in registers, and its
+// norm. A row (one token's D values) belongs to ROW_THREADS consecutive threads of a
 // BLOCK-thread block; thread `lane` holds chunk i at columns (lane + i * ROW_THREADS) * kChunk,
 // so that a group's accesses to a row are contiguous. The launch code picks ROW_THREADS,
-// CHUNKS and BLOCK per size class; P is the dtype of weights and modulation with ROW_THREADS * CHUNKS * kChunk >= D.
+// CHUNKS and BLOCK per size class with ROW_THREADS * CHUNKS * kChunk >= D. P is the dtype of
+// weights and modulation.
 #pragma once
 #include "memory.cuh"
 #include "reductions.cuh"
@@ -26,65 +27,99 @@ struct RowPosition {
 
     template <int ROW_THREADS>
     __device__ long long column(int chunk) const { return (lane + static_cast<long long>(chunk) * ROW_THREADS) * kChunk; }
+
+    template <int ROW_THREADS>
+    __device__ bool holds(int chunk, long long hidden) const { return valid && column<ROW_THREADS>(chunk) < hidden; }
 };
 
-template <typename T>
-__device__ inline const T* row_pointer(const Rows& rows, const RowPosition& at) {
-    return static_cast<const T*>(rows.data) + at.batch * rows.batch_stride + at.token * rows.token_stride;
-}
-
-// The row of `rows` at `at` into v as float, zeros past D.
+// This thread's chunks of a row, kept as stored (16-byte words of T), not as float: half the
+// registers for 16-bit data, so more rows fit on an SM and more loads are in flight.
 template <typename T, int ROW_THREADS, int CHUNKS>
-__device__ inline void load_row(const Rows& rows, const RowPosition& at, long long hidden, float (&v)[CHUNKS][kChunk]) {
-    const T* source = row_pointer<T>(rows, at);
+struct Row {
+    static constexpr int kWords = kChunk * sizeof(T) / 16;
+    uint4 words[CHUNKS][kWords];
+
+    // Row `at` of `rows` (zeros past D and in padding rows).
+    __device__ void load(const Rows& rows, const RowPosition& at, long long hidden) {
+        const T* source = static_cast<const T*>(rows.data) + at.batch * rows.batch_stride + at.token * rows.token_stride;
 #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-        const long long column = at.column<ROW_THREADS>(i);
-        if (at.valid && column < hidden) {
-            load_chunk(source + column, v[i]);
-        } else {
+        for (int i = 0; i < CHUNKS; ++i) {
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) v[i][e] = 0.0f;
+            for (int w = 0; w < kWords; ++w) {
+                words[i][w] = at.holds<ROW_THREADS>(i, hidden)
+                                  ? *reinterpret_cast<const uint4*>(source + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T)))
+                                  : make_uint4(0, 0, 0, 0);
+            }
         }
     }
-}
 
-// LayerNorm (mean and biased variance, two passes over the registers) or RMSNorm of the row
-// in v, then the optional affine; entries past D stay zero.
-template <typename P, int ROW_THREADS, int CHUNKS, int BLOCK>
-__device__ inline void normalize_row(float (&v)[CHUNKS][kChunk], const RowPosition& at, long long hidden, float eps,
-                                     bool rms, const P* weight, const P* bias) {
+    __device__ void get(int i, float (&values)[kChunk]) const {
+        const T* elements = reinterpret_cast<const T*>(words[i]);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) values[e] = to_float(elements[e]);
+    }
+
+    // Rounds values to T: later reads see exactly what a store of this chunk writes.
+    __device__ void set(int i, const float (&values)[kChunk]) {
+        T* elements = reinterpret_cast<T*>(words[i]);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) elements[e] = from_float<T>(values[e]);
+    }
+
+    __device__ void store(T* row_out, const RowPosition& at, int i) const {
+#pragma unroll
+        for (int w = 0; w < kWords; ++w)
+            *reinterpret_cast<uint4*>(row_out + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T))) = words[i][w];
+    }
+};
+
+struct RowStatistics {
+    float mean;  // 0 for RMSNorm
+    float inverse_deviation;
+};
+
+// LayerNorm (mean, then the biased variance of the centered values: two passes over the
+// registers) or RMSNorm statistics of the row.
+template <int BLOCK, typename T, int ROW_THREADS, int CHUNKS>
+__device__ inline RowStatistics row_statistics(const Row<T, ROW_THREADS, CHUNKS>& row, const RowPosition& at,
+                                               long long hidden, float eps, bool rms) {
     float mean = 0.0f;
     if (!rms) {
         float sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < CHUNKS; ++i)
+        for (int i = 0; i < CHUNKS; ++i) {
+            float v[kChunk];
+            row.get(i, v);
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) sum += v[i][e];
+            for (int e = 0; e < kChunk; ++e) sum += v[e];
+        }
         mean = group_sum<ROW_THREADS, BLOCK>(sum) / hidden;
     }
     float squares = 0.0f;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-        if (at.column<ROW_THREADS>(i) < hidden) {
+        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+        float v[kChunk];
+        row.get(i, v);
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) squares += (v[i][e] - mean) * (v[i][e] - mean);
-        }
+        for (int e = 0; e < kChunk; ++e) squares += (v[e] - mean) * (v[e] - mean);
     }
-    const float inverse_deviation = rsqrtf(group_sum<ROW_THREADS, BLOCK>(squares) / hidden + eps);
+    return {mean, rsqrtf(group_sum<ROW_THREADS, BLOCK>(squares) / hidden + eps)};
+}
+
+// Chunk i of the normalised row, with the optional affine.
+template <typename P, typename T, int ROW_THREADS, int CHUNKS>
+__device__ inline void normalized_chunk(const Row<T, ROW_THREADS, CHUNKS>& row, int i, const RowStatistics& statistics,
+                                        const P* weight, const P* bias, long long column, float (&values)[kChunk]) {
+    row.get(i, values);
+    float w[kChunk], b[kChunk];
+    if (weight) load_chunk(weight + column, w);
+    if (bias) load_chunk(bias + column, b);
 #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-        const long long column = at.column<ROW_THREADS>(i);
-        if (!(at.valid && column < hidden)) continue;
-        float w[kChunk], b[kChunk];
-        if (weight) load_chunk(weight + column, w);
-        if (bias) load_chunk(bias + column, b);
-#pragma unroll
-        for (int e = 0; e < kChunk; ++e) {
-            float n = (v[i][e] - mean) * inverse_deviation;
-            if (weight) n *= w[e];
-            if (bias) n += b[e];
-            v[i][e] = n;
-        }
+    for (int e = 0; e < kChunk; ++e) {
+        float n = (values[e] - statistics.mean) * statistics.inverse_deviation;
+        if (weight) n *= w[e];
+        if (bias) n += b[e];
+        values[e] = n;
     }
 }

@@ -10,41 +10,47 @@ __global__ void __launch_bounds__(BLOCK) selected_modulation_norm(
     const P* weight, const P* bias, T* y, T* residual_out, T* gate_out,
     float eps, long long rows, long long tokens, long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
-    float v[CHUNKS][kChunk];
-    load_row<T, ROW_THREADS, CHUNKS>(x, at, hidden, v);
+    Row<T, ROW_THREADS, CHUNKS> row;
+    row.load(x, at, hidden);
     if (residual.data) {
+        Row<T, ROW_THREADS, CHUNKS> previous;
+        previous.load(residual, at, hidden);
         const ModulationRow<P> residual_gate_row(residual_gate, at.batch, at.token);
-        float previous[CHUNKS][kChunk];
-        load_row<T, ROW_THREADS, CHUNKS>(residual, at, hidden, previous);
 #pragma unroll
         for (int i = 0; i < CHUNKS; ++i) {
-            const long long column = at.column<ROW_THREADS>(i);
-            if (!(at.valid && column < hidden)) continue;
-            float g[kChunk];
-            residual_gate_row.load(column, g);
+            if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+            float v[kChunk], r[kChunk], g[kChunk];
+            row.get(i, v);
+            previous.get(i, r);
+            residual_gate_row.load(at.column<ROW_THREADS>(i), g);
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) v[i][e] = to_float(from_float<T>(previous[i][e] + g[e] * v[i][e]));
-            store_chunk(residual_out + at.row * hidden + column, v[i]);
+            for (int e = 0; e < kChunk; ++e) v[e] = r[e] + g[e] * v[e];
+            row.set(i, v);
+            row.store(residual_out + at.row * hidden, at, i);
         }
     }
-    normalize_row<P, ROW_THREADS, CHUNKS, BLOCK>(v, at, hidden, eps, false, weight, bias);
+    const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, false);
     const bool second = at.valid && load_integer(index, at.batch, at.token) != 0;
     // rows of both sets, then chosen by value: choosing a kernel parameter or a local by reference
     // would move them to local memory
     const ModulationRow<P> scale_row = second ? ModulationRow<P>(scale1, at.batch, at.token) : ModulationRow<P>(scale0, at.batch, at.token);
     const ModulationRow<P> shift_row = second ? ModulationRow<P>(shift1, at.batch, at.token) : ModulationRow<P>(shift0, at.batch, at.token);
     const ModulationRow<P> gate_row = second ? ModulationRow<P>(gate1, at.batch, at.token) : ModulationRow<P>(gate0, at.batch, at.token);
+    Row<T, ROW_THREADS, CHUNKS> chosen_gate;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
+        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
         const long long column = at.column<ROW_THREADS>(i);
-        if (!(at.valid && column < hidden)) continue;
-        float s[kChunk], t[kChunk], g[kChunk];
+        float v[kChunk], s[kChunk], t[kChunk], g[kChunk];
+        normalized_chunk(row, i, statistics, weight, bias, column, v);
         scale_row.load(column, s);
         shift_row.load(column, t);
         gate_row.load(column, g);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) v[i][e] = v[i][e] * (1.0f + s[e]) + t[e];
-        store_chunk(y + at.row * hidden + column, v[i]);
-        store_chunk(gate_out + at.row * hidden + column, g);
+        for (int e = 0; e < kChunk; ++e) v[e] = v[e] * (1.0f + s[e]) + t[e];
+        row.set(i, v);
+        row.store(y + at.row * hidden, at, i);
+        chosen_gate.set(i, g);
+        chosen_gate.store(gate_out + at.row * hidden, at, i);
     }
 }
