@@ -3,9 +3,9 @@
 #include "row_tile.cuh"
 
 template <typename T, typename P, int ROW_THREADS, int CHUNKS, int BLOCK>
-__global__ void __launch_bounds__(BLOCK) gated_add_norm(
-    Rows x, Rows branch, Modulation gate, Modulation scale, const P* weight, const P* bias, const P* weight2,
-    const P* bias2, T* out, T* y, float eps, long long rms, long long tanh_gate, long long rows, long long tokens,
+__global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
+    Rows x, Rows branch, Modulation gate, Modulation scale, const P* __restrict__ weight, const P* __restrict__ bias, const P* __restrict__ weight2,
+    const P* __restrict__ bias2, T* __restrict__ out, T* __restrict__ y, float eps, long long rms, long long tanh_gate, long long rows, long long tokens,
     long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
     Row<T, ROW_THREADS, CHUNKS> row, residual;

@@ -7,8 +7,22 @@
 // Callers guarantee 16-byte aligned addresses (the registry's alignment constraint).
 constexpr int kChunk = 8;
 
+// Only for data no thread of the kernel writes (every input but the in-place q and k).
 template <typename T>
 __device__ inline void load_chunk(const T* source, float (&values)[kChunk]) {
+    constexpr int per_access = 16 / sizeof(T);
+#pragma unroll
+    for (int part = 0; part < kChunk / per_access; ++part) {
+        const uint4 raw = load_read_only(reinterpret_cast<const uint4*>(source + part * per_access));
+        const T* elements = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < per_access; ++i) values[part * per_access + i] = to_float(elements[i]);
+    }
+}
+
+// For data this kernel also writes (the in-place q and k): a plain, coherent load.
+template <typename T>
+__device__ inline void load_written_chunk(const T* source, float (&values)[kChunk]) {
     constexpr int per_access = 16 / sizeof(T);
 #pragma unroll
     for (int part = 0; part < kChunk / per_access; ++part) {

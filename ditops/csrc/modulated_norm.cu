@@ -4,9 +4,9 @@
 #include "row_tile.cuh"
 
 template <typename T, typename P, int ROW_THREADS, int CHUNKS, int BLOCK>
-__global__ void __launch_bounds__(BLOCK) modulated_norm(
-    Rows x, Rows residual, Modulation gate, Modulation scale, Modulation shift, const P* weight, const P* bias,
-    T* y, T* residual_out, float eps, long long rms, long long rows, long long tokens, long long hidden) {
+__global__ void __launch_bounds__(BLOCK, 1) modulated_norm(
+    Rows x, Rows residual, Modulation gate, Modulation scale, Modulation shift, const P* __restrict__ weight, const P* __restrict__ bias,
+    T* __restrict__ y, T* __restrict__ residual_out, float eps, long long rms, long long rows, long long tokens, long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
     Row<T, ROW_THREADS, CHUNKS> row;
     row.load(x, at, hidden);

@@ -12,6 +12,7 @@
 constexpr int kWarpSize = 64;  // CDNA wavefronts (gfx90a, gfx942, gfx950)
 
 __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor(value, lane_mask, kWarpSize); }
+__device__ inline uint4 load_read_only(const uint4* address) { return *address; }
 __device__ inline float shuffle(float value, int source_lane) { return __shfl(value, source_lane, kWarpSize); }
 
 using float16 = _Float16;
@@ -39,6 +40,8 @@ constexpr int kWarpSize = 32;
 constexpr unsigned kAllLanes = 0xffffffffu;  // every kernel calls lane exchanges with the whole warp
 
 __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor_sync(kAllLanes, value, lane_mask); }
+// Through the non-coherent cache: the compiler may then move the load ahead of stores.
+__device__ inline uint4 load_read_only(const uint4* address) { return __ldg(address); }
 __device__ inline float shuffle(float value, int source_lane) { return __shfl_sync(kAllLanes, value, source_lane); }
 
 using float16 = __half;

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(BLOCK) rotary(
             is_q[item] = head < q_heads;
             valid[item] = in_head && head < heads;
             where[item] = is_q[item] ? q_token + head * head_size : k_token + (head - q_heads) * head_size;
-            if (valid[item]) load_chunk(where[item], v[item]);
+            if (valid[item]) load_written_chunk(where[item], v[item]);
             else {
 #pragma unroll
                 for (int e = 0; e < kChunk; ++e) v[item][e] = 0.0f;

@@ -47,7 +47,7 @@ struct Row {
 #pragma unroll
             for (int w = 0; w < kWords; ++w) {
                 words[i][w] = at.holds<ROW_THREADS>(i, hidden)
-                                  ? *reinterpret_cast<const uint4*>(source + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T)))
+                                  ? load_read_only(reinterpret_cast<const uint4*>(source + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T))))
                                   : make_uint4(0, 0, 0, 0);
             }
         }

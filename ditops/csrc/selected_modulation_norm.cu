@@ -4,10 +4,10 @@
 #include "row_tile.cuh"
 
 template <typename T, typename P, int ROW_THREADS, int CHUNKS, int BLOCK>
-__global__ void __launch_bounds__(BLOCK) selected_modulation_norm(
+__global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
     Rows x, Rows residual, Modulation residual_gate, Integers index,
     Modulation scale0, Modulation shift0, Modulation gate0, Modulation scale1, Modulation shift1, Modulation gate1,
-    const P* weight, const P* bias, T* y, T* residual_out, T* gate_out,
+    const P* __restrict__ weight, const P* __restrict__ bias, T* __restrict__ y, T* __restrict__ residual_out, T* __restrict__ gate_out,
     float eps, long long rows, long long tokens, long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
     Row<T, ROW_THREADS, CHUNKS> row;
