@@ -2,7 +2,7 @@
 partial rotary, strided views, every modulation form, every launch class of the row kernels.
 Exits 1 if a case fails. Usage:
   compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py
-  compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py --ops norm_scale_shift
+  compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py --dtypes bfloat16
 """
 
 import argparse

@@ -2,16 +2,17 @@
 sm_80 and sm_90, with no GPU: a real cubin (ELF for the CUDA machine) holding the kernel,
 within the register file and with nothing in local memory (no spills, no stack frame)."""
 
+import itertools
 import struct
 
 import pytest
 
-from ditops.backends.compiled import all_instances
+from ditops.backends import compiled
 
 nvrtc = pytest.importorskip("ditops.backends.cuda.nvrtc")
 
 EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
-INSTANCES = all_instances()
+INSTANCES = compiled.all_instances()
 
 
 @pytest.mark.parametrize("instance", INSTANCES, ids=lambda instance: instance.name_expression.replace(" ", ""))
@@ -27,8 +28,14 @@ def test_instance_compiles_to_cubin_without_local_memory(arch, instance):
     assert compiled.stack_bytes == 0, f"{compiled.stack_bytes} bytes of local-memory stack"
 
 
-def test_the_instances_cover_every_dtype_and_row_class():
-    names = {instance.name_expression for instance in INSTANCES}
-    assert "modulated_norm<bfloat16, float, 64, 6, 128>" in names  # Wan: bf16 rows, fp32 modulation, D=3072 class
-    assert "rotary<bfloat16, 16, 128>" in names  # Dh = 80..128
-    assert len(names) == len(INSTANCES)
+def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
+    """The registry lets cuda take D % 8 == 0 up to 16384 and Dh % 8 == 0 up to 256 in any of
+    three activation dtypes and one parameter dtype: each such call's instance is compiled above."""
+    tested = set(INSTANCES)
+    dtypes = list(compiled.C_TYPES)
+    for dtype, param_dtype in itertools.product(dtypes, dtypes):
+        for hidden in range(8, 16384 + 1, 8):
+            for kernel in compiled.ROW_KERNELS:
+                assert compiled.row_instance(kernel, dtype, param_dtype, hidden) in tested
+    for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
+        assert compiled.rotary_instance(dtype, head_size) in tested

@@ -358,12 +358,9 @@ def test_every_op_on_simulated_devices(op, arch):
         assert ditops.explain(op, **example_arguments(op, shape, torch.float32)).selected == "reference"
 
 
-# On NVIDIA the example rows mix bfloat16 modulation with float32 weights, which cuda's row
-# kernels refuse (one parameter dtype per instance), so triton serves them; cuda takes RoPE.
-NVIDIA = {"rows": "triton", "heads": "cuda"}
 REGISTRY_PICKS = [
-    ("sm_90", torch.bfloat16, NVIDIA, None),
-    ("sm_80", torch.float16, NVIDIA, None),
+    ("sm_90", torch.bfloat16, "triton", None),
+    ("sm_80", torch.float16, "triton", None),
     ("sm_75", torch.bfloat16, "reference", "needs sm_80 or newer, got sm_75"),
     ("gfx942", torch.bfloat16, "triton", None),
     ("gfx90a", torch.float32, "triton", None),
@@ -379,8 +376,6 @@ def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason
     shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
     with dispatch.simulated_device(arch):
         explanation = ditops.explain(op, **example_arguments(op, shape, dtype))
-    if isinstance(expected, dict):
-        expected = expected["heads" if op.endswith("_") else "rows"]
     assert explanation.selected == expected
     refusal = {row.backend: row.refusal for row in explanation.candidates}["triton"]
     assert refusal is None if reason is None else refusal.startswith(reason)
@@ -391,3 +386,20 @@ def test_triton_refuses_rows_it_cannot_hold_in_registers():
         explanation = ditops.explain("norm_scale_shift", **example_arguments("norm_scale_shift", (1, 2, 20000)))
     assert explanation.selected == "reference"
     assert {row.backend: row.refusal for row in explanation.candidates}["triton"] == "supports D <= 16384, got D=20000"
+
+
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_cuda_serves_nvidia_when_triton_is_disabled(op, tmp_path):
+    """cuda is the next NVIDIA kernel backend: with triton disabled it takes every op at one
+    parameter dtype, and mixed parameter dtypes fall to the reference with the reason."""
+    config = tmp_path / "no_triton.yaml"
+    config.write_text("disable: [triton]\n")
+    shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
+    dispatch.load_config(config)
+    with dispatch.simulated_device("sm_90"):
+        uniform = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
+        mixed = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16))
+    assert uniform.selected == "cuda"
+    if not op.endswith("_"):
+        assert mixed.selected == "reference"
+        assert {row.backend: row.refusal for row in mixed.candidates}["cuda"].startswith("needs modulation/weight tensors of one dtype")

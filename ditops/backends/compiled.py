@@ -159,6 +159,8 @@ class CompiledOps:
         rows = shape.batch * shape.tokens
         if rows == 0 or shape.hidden == 0:
             return
+        if rows >= 2**31:
+            raise ValueError(f"{kernel}: B * S = {rows} rows; the compiled kernels index rows with 32 bits")
         instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden)
         rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)

@@ -19,8 +19,9 @@ struct RowPosition {
         RowPosition at;
         at.row = static_cast<long long>(blockIdx.x) * (BLOCK / ROW_THREADS) + threadIdx.x / ROW_THREADS;
         at.valid = at.row < rows;
-        at.batch = static_cast<int>(at.row / tokens);
-        at.token = static_cast<int>(at.row - static_cast<long long>(at.batch) * tokens);
+        const unsigned row32 = static_cast<unsigned>(at.row);
+        at.batch = static_cast<int>(row32 / static_cast<unsigned>(tokens));
+        at.token = static_cast<int>(row32 - static_cast<unsigned>(at.batch) * static_cast<unsigned>(tokens));
         at.lane = threadIdx.x % ROW_THREADS;
         return at;
     }
