@@ -66,6 +66,11 @@ def hidden_multiple_of(wanted: int, f: Features) -> Reason:
         return f"needs D to be a multiple of {wanted}, got D={f.hidden_size}"
 
 
+def min_hidden_size(wanted: int, f: Features) -> Reason:
+    if f.hidden_size < wanted:
+        return f"is preferred for D >= {wanted} only, got D={f.hidden_size}"
+
+
 def max_hidden_size(wanted: int, f: Features) -> Reason:
     if f.hidden_size > wanted:
         return f"supports D <= {wanted}, got D={f.hidden_size}"
@@ -129,6 +134,7 @@ CHECKS: dict = {
         alignment,
         unit_stride,
         hidden_multiple_of,
+        min_hidden_size,
         max_hidden_size,
         head_sizes,
         head_size_multiple_of,
