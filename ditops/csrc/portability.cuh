@@ -3,7 +3,7 @@
 // GPU runs differs from what an NVIDIA GPU runs only in kWarpSize.
 #pragma once
 
-#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__)
+#if defined(__HIP__) || defined(__HIPCC_RTC__)
 
 #ifndef __HIPCC_RTC__  // hiprtc pre-includes the runtime and its fp16 builtins
 #include <hip/hip_runtime.h>
@@ -15,10 +15,12 @@ __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_
 __device__ inline uint4 load_read_only(const uint4* address) { return *address; }
 __device__ inline float shuffle(float value, int source_lane) { return __shfl(value, source_lane, kWarpSize); }
 
-using float16 = _Float16;
-__device__ inline float to_float(float16 value) { return static_cast<float>(value); }
+// Named structs rather than aliases of _Float16: hiprtc finds template instances by the
+// spelling of their arguments, and an alias's spelling is lost.
+struct float16 { _Float16 value; };
+__device__ inline float to_float(float16 value) { return static_cast<float>(value.value); }
 template <typename T> __device__ inline T from_float(float value);
-template <> __device__ inline float16 from_float<float16>(float value) { return static_cast<float16>(value); }
+template <> __device__ inline float16 from_float<float16>(float value) { return float16{static_cast<_Float16>(value)}; }
 
 // bfloat16 as its 16 bits, converted by hand so that rounding is exactly torch's
 // (round to nearest even, NaN stays NaN) whatever the ROCm version's headers offer.

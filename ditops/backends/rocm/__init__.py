@@ -1,0 +1,36 @@
+"""The ROCm backend: the kernels of ditops/csrc (the CUDA backend's sources) compiled at run
+time by hiprtc for the device's gfx arch, cached on disk (ditops/kernel_cache.py), loaded and
+launched through hip-python on torch's current stream. Launch shapes and argument packing are
+the CUDA backend's (ditops/backends/compiled.py); ditops/csrc/portability.cuh makes the
+kernels correct for 64-wide wavefronts. Who may call it is in configs/registry.yaml.
+
+Never run on AMD hardware: compiled for gfx90a (hiprtc) and gfx942 (clang) in CI."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ...dispatch.device import DeviceInfo
+from ..compiled import CompiledOps
+from .driver import launch
+
+
+def available(device: DeviceInfo) -> Optional[str]:
+    if device.vendor != "rocm":
+        return "compiles HIP for AMD GPUs only"
+    try:
+        from hip import hip, hiprtc  # noqa: F401
+    except ImportError as error:
+        return f"needs hip-python (pip install 'ditops[rocm]'): {error}"
+    return None
+
+
+_ops = CompiledOps(launch)
+norm_scale_shift = _ops.norm_scale_shift
+residual_norm_scale_shift = _ops.residual_norm_scale_shift
+norm_scale_shift_select = _ops.norm_scale_shift_select
+residual_norm_scale_shift_select = _ops.residual_norm_scale_shift_select
+add_gate_norm = _ops.add_gate_norm
+add_gate_norm_scale = _ops.add_gate_norm_scale
+qk_norm_rope_ = _ops.qk_norm_rope_
+rope_ = _ops.rope_

@@ -1,0 +1,75 @@
+"""Loading code objects and launching them with the HIP module API (hip-python), on torch's
+current stream (ROCm builds of torch expose AMD GPUs as torch.cuda). Not yet run on AMD
+hardware: everything up to the launch call runs in CI."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ... import kernel_cache
+from ...dispatch.device import device_of
+from ..compiled import Instance, pack_arguments, source_hash
+from . import hiprtc
+
+_functions: dict = {}  # (device index, Instance) -> hipFunction_t
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _check(result, what: str) -> tuple:
+    from hip import hip
+
+    error, *values = result if isinstance(result, tuple) else (result,)
+    if error != hip.hipError_t.hipSuccess:
+        raise LaunchError(f"{what} failed: {error.name}")
+    return tuple(values)
+
+
+class Binary(NamedTuple):
+    code: bytes
+    lowered_name: bytes
+    compiled: bool  # False: read from the disk cache
+
+
+def code_object(instance: Instance, arch: str) -> Binary:
+    """The instance's code object for arch from the disk cache, compiled on a miss."""
+    compiled = []
+
+    def compile_entry() -> bytes:
+        compiled.append(hiprtc.compile_instances([instance], arch))
+        return compiled[0].lowered_names[instance].encode() + b"\0" + compiled[0].code
+
+    key = ("rocm", source_hash(), hiprtc.version(), arch, instance.source, instance.name_expression)
+    lowered, _, code = kernel_cache.cached_binary(key, compile_entry).partition(b"\0")
+    return Binary(code, lowered, bool(compiled))
+
+
+def function(instance: Instance, device_index: int):
+    from hip import hip
+
+    key = (device_index, instance)
+    loaded = _functions.get(key)
+    if loaded is None:
+        code, lowered, _ = code_object(instance, device_of(device_index).arch)
+        with torch.cuda.device(device_index):  # the module belongs to the current device's context
+            (module,) = _check(hip.hipModuleLoadData(code), f"loading {instance.name_expression}")
+            (loaded,) = _check(hip.hipModuleGetFunction(module, lowered), f"finding {instance.name_expression}")
+        _functions[key] = loaded
+    return loaded
+
+
+def launch(instance: Instance, grid: tuple, arguments: list, like: torch.Tensor) -> None:
+    """Launches instance on like's device and that device's current stream."""
+    from hip import hip
+
+    device_index = like.get_device()
+    kernel = function(instance, device_index)
+    keep_alive, parameters = pack_arguments(arguments)
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    _check(hip.hipModuleLaunchKernel(kernel, *grid, instance.block, 1, 1, 0, stream, parameters, None),
+           f"launching {instance.name_expression}")
+    del keep_alive
