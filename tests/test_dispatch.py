@@ -358,12 +358,15 @@ def test_every_op_on_simulated_devices(op, arch):
         assert ditops.explain(op, **example_arguments(op, shape, torch.float32)).selected == "reference"
 
 
+# The example arguments mix bfloat16 modulation with float32 weights: the compiled row kernels
+# (rocm, cuda) take one parameter dtype, so triton serves those rows; rocm takes RoPE on AMD.
+AMD = {"rows": "triton", "heads": "rocm"}
 REGISTRY_PICKS = [
     ("sm_90", torch.bfloat16, "triton", None),
     ("sm_80", torch.float16, "triton", None),
     ("sm_75", torch.bfloat16, "reference", "needs sm_80 or newer, got sm_75"),
-    ("gfx942", torch.bfloat16, "triton", None),
-    ("gfx90a", torch.float32, "triton", None),
+    ("gfx942", torch.bfloat16, AMD, None),
+    ("gfx90a", torch.float32, {"rows": "rocm", "heads": "rocm"}, None),  # float32 everywhere: one dtype
     ("gfx950", torch.bfloat16, "triton", None),
     ("gfx1100", torch.bfloat16, "reference", "supports AMD gfx90a, gfx942, gfx950, not gfx1100"),
     ("sm_90", torch.float64, "reference", "activations must be float16, bfloat16, float32, got float64"),
@@ -376,6 +379,10 @@ def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason
     shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
     with dispatch.simulated_device(arch):
         explanation = ditops.explain(op, **example_arguments(op, shape, dtype))
+    if isinstance(expected, dict):
+        expected = expected["heads" if op.endswith("_") else "rows"]
+        if expected == "rocm" and ROCM_REFUSAL:  # without hip-python, triton is next
+            expected = "triton"
     assert explanation.selected == expected
     refusal = {row.backend: row.refusal for row in explanation.candidates}["triton"]
     assert refusal is None if reason is None else refusal.startswith(reason)
@@ -403,3 +410,41 @@ def test_cuda_serves_nvidia_when_triton_is_disabled(op, tmp_path):
     if not op.endswith("_"):
         assert mixed.selected == "reference"
         assert {row.backend: row.refusal for row in mixed.candidates}["cuda"].startswith("needs modulation/weight tensors of one dtype")
+
+
+ROCM_REFUSAL = dispatch.dispatcher().registry.backends["rocm"].refusal(dispatch.parse_arch("gfx942"))
+
+
+@pytest.mark.skipif(bool(ROCM_REFUSAL), reason=f"rocm backend unavailable here: {ROCM_REFUSAL}")
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_rocm_serves_cdna_gpus(op, arch):
+    """On gfx90a and gfx942 every op goes to rocm when its parameters share a dtype; rows
+    with mixed parameter dtypes and misaligned views go to triton, with rocm's reason."""
+    shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
+    with dispatch.simulated_device(arch):
+        uniform = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
+        mixed = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16))
+        arguments = example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32)
+        first = "q" if op.endswith("_") else "x"
+        arguments[first] = torch.randn(arguments[first].numel() + 1, dtype=torch.bfloat16)[1:].view(shape)
+        misaligned = ditops.explain(op, **arguments)
+    assert uniform.selected == "rocm"
+    assert misaligned.selected == "triton"
+    assert refusals_of(misaligned)["rocm"].startswith("needs 16-byte aligned data pointers and strides")
+    if not op.endswith("_"):
+        assert mixed.selected == "triton"
+        assert refusals_of(mixed)["rocm"].startswith("needs modulation/weight tensors of one dtype")
+
+
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_gfx950_goes_to_triton(op):
+    shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
+    with dispatch.simulated_device("gfx950"):
+        explanation = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
+    assert explanation.selected == "triton"
+    assert refusals_of(explanation)["rocm"] == "supports AMD gfx90a, gfx942, not gfx950"
+
+
+def refusals_of(explanation) -> dict:
+    return {row.backend: row.refusal for row in explanation.candidates if row.backend != "cuda" or row.refusal}

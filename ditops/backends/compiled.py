@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import yaml
 
+from .. import kernel_cache
 from .views import modulation, rows_of, tokens_of
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc"
@@ -118,6 +119,29 @@ def pack_arguments(arguments: list) -> tuple:
     return (buffer, pointers), ctypes.addressof(pointers)
 
 
+class Binary(NamedTuple):
+    code: bytes  # a cubin or an AMD code object
+    lowered_name: bytes  # the instance's mangled name in it
+    compiled: bool  # False: read from the disk cache
+
+
+def cached_binary(backend: str, compiler_version: str, arch: str, instance: Instance,
+                  compile: Callable[[], tuple]) -> Binary:
+    """The instance's binary for arch from the disk cache (ditops/kernel_cache.py), or
+    compile() -> (code, lowered name) on a miss. The key holds everything the binary
+    depends on: the sources, the compiler's version, the arch and the instance."""
+    compiled = []
+
+    def entry() -> bytes:
+        code, lowered_name = compile()
+        compiled.append(True)
+        return lowered_name.encode() + b"\0" + code
+
+    key = (backend, source_hash(), compiler_version, arch, instance.source, instance.name_expression)
+    lowered, _, code = kernel_cache.cached_binary(key, entry).partition(b"\0")
+    return Binary(code, lowered, bool(compiled))
+
+
 # Launcher: (instance, grid, packed-argument list, a tensor on the device to launch on) -> None.
 Launcher = Callable[[Instance, tuple, list, torch.Tensor], None]
 
@@ -153,6 +177,12 @@ class CompiledOps:
 
     def __init__(self, launcher: Launcher):
         self.launch = launcher
+
+    def functions(self) -> dict:
+        """The op functions by op name, as a backend module exports them to the registry."""
+        from ..dispatch.registry import OPS
+
+        return {op: getattr(self, op) for op in OPS}
 
     def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list) -> None:
         shape = rows_of(x)

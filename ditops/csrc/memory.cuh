@@ -7,43 +7,72 @@
 // Callers guarantee 16-byte aligned addresses (the registry's alignment constraint).
 constexpr int kChunk = 8;
 
+// A chunk of kChunk elements of T as 16-byte words, and its elements as float.
+template <typename T>
+struct ChunkWords {
+    static constexpr int count = kChunk * sizeof(T) / 16;
+};
+
+__device__ inline unsigned word_component(const uint4& word, int c) {
+    return c == 0 ? word.x : c == 1 ? word.y : c == 2 ? word.z : word.w;
+}
+
+__device__ inline void set_word_component(uint4& word, int c, unsigned value) {
+    if (c == 0) word.x = value;
+    else if (c == 1) word.y = value;
+    else if (c == 2) word.z = value;
+    else word.w = value;
+}
+
+template <typename T, int WORDS>
+__device__ inline float word_element(const uint4 (&words)[WORDS], int e) {
+    constexpr int per_word = 16 / sizeof(T), per_component = 4 / sizeof(T), bits = 8 * sizeof(T);
+    const unsigned component = word_component(words[e / per_word], (e % per_word) / per_component);
+    return bits_to_float<T>(per_component == 1 ? component : (component >> (bits * (e % per_component))) & 0xffffu);
+}
+
+// Rounds value to T (to nearest even) into element e.
+template <typename T, int WORDS>
+__device__ inline void set_word_element(uint4 (&words)[WORDS], int e, float value) {
+    constexpr int per_word = 16 / sizeof(T), per_component = 4 / sizeof(T), bits = 8 * sizeof(T);
+    const int c = (e % per_word) / per_component;
+    const unsigned element = float_to_bits<T>(value);
+    if (per_component == 1) {
+        set_word_component(words[e / per_word], c, element);
+    } else {
+        const int shift = bits * (e % per_component);
+        const unsigned kept = word_component(words[e / per_word], c) & ~(0xffffu << shift);
+        set_word_component(words[e / per_word], c, kept | (element << shift));
+    }
+}
+
 // Only for data no thread of the kernel writes (every input but the in-place q and k).
 template <typename T>
 __device__ inline void load_chunk(const T* source, float (&values)[kChunk]) {
-    constexpr int per_access = 16 / sizeof(T);
+    uint4 words[ChunkWords<T>::count];
 #pragma unroll
-    for (int part = 0; part < kChunk / per_access; ++part) {
-        const uint4 raw = load_read_only(reinterpret_cast<const uint4*>(source + part * per_access));
-        const T* elements = reinterpret_cast<const T*>(&raw);
+    for (int w = 0; w < ChunkWords<T>::count; ++w) words[w] = load_read_only(reinterpret_cast<const uint4*>(source) + w);
 #pragma unroll
-        for (int i = 0; i < per_access; ++i) values[part * per_access + i] = to_float(elements[i]);
-    }
+    for (int e = 0; e < kChunk; ++e) values[e] = word_element<T>(words, e);
 }
 
 // For data this kernel also writes (the in-place q and k): a plain, coherent load.
 template <typename T>
 __device__ inline void load_written_chunk(const T* source, float (&values)[kChunk]) {
-    constexpr int per_access = 16 / sizeof(T);
+    uint4 words[ChunkWords<T>::count];
 #pragma unroll
-    for (int part = 0; part < kChunk / per_access; ++part) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(source + part * per_access);
-        const T* elements = reinterpret_cast<const T*>(&raw);
+    for (int w = 0; w < ChunkWords<T>::count; ++w) words[w] = reinterpret_cast<const uint4*>(source)[w];
 #pragma unroll
-        for (int i = 0; i < per_access; ++i) values[part * per_access + i] = to_float(elements[i]);
-    }
+    for (int e = 0; e < kChunk; ++e) values[e] = word_element<T>(words, e);
 }
 
 template <typename T>
 __device__ inline void store_chunk(T* target, const float (&values)[kChunk]) {
-    constexpr int per_access = 16 / sizeof(T);
+    uint4 words[ChunkWords<T>::count];
 #pragma unroll
-    for (int part = 0; part < kChunk / per_access; ++part) {
-        uint4 raw;
-        T* elements = reinterpret_cast<T*>(&raw);
+    for (int e = 0; e < kChunk; ++e) set_word_element<T>(words, e, values[e]);
 #pragma unroll
-        for (int i = 0; i < per_access; ++i) elements[i] = from_float<T>(values[part * per_access + i]);
-        *reinterpret_cast<uint4*>(target + part * per_access) = raw;
-    }
+    for (int w = 0; w < ChunkWords<T>::count; ++w) reinterpret_cast<uint4*>(target)[w] = words[w];
 }
 
 // The run-time dtype of a tensor whose dtype is not a template argument (the rotary kernel's

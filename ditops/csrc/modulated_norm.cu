@@ -10,23 +10,7 @@ __global__ void __launch_bounds__(BLOCK, 1) modulated_norm(
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
     Row<T, ROW_THREADS, CHUNKS> row;
     row.load(x, at, hidden);
-    if (residual.data) {
-        Row<T, ROW_THREADS, CHUNKS> previous;
-        previous.load(residual, at, hidden);
-        const ModulationRow<P> gate_row(gate, at.batch, at.token);
-#pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) {
-            if (!at.holds<ROW_THREADS>(i, hidden)) continue;
-            float v[kChunk], r[kChunk], g[kChunk];
-            row.get(i, v);
-            previous.get(i, r);
-            if (gate_row.data) gate_row.load(at.column<ROW_THREADS>(i), g);
-#pragma unroll
-            for (int e = 0; e < kChunk; ++e) v[e] = r[e] + (gate_row.data ? g[e] * v[e] : v[e]);
-            row.set(i, v);  // the norm reads residual_out as stored
-            row.store(residual_out + at.row * hidden, at, i);
-        }
-    }
+    if (residual.data) add_residual(row, residual, ModulationRow<P>(gate, at.batch, at.token), at, hidden, residual_out);
     const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
     const ModulationRow<P> scale_row(scale, at.batch, at.token), shift_row(shift, at.batch, at.token);
 #pragma unroll

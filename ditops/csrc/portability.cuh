@@ -19,18 +19,25 @@ __device__ inline float shuffle(float value, int source_lane) { return __shfl(va
 // spelling of their arguments, and an alias's spelling is lost.
 struct float16 { _Float16 value; };
 __device__ inline float to_float(float16 value) { return static_cast<float>(value.value); }
-template <typename T> __device__ inline T from_float(float value);
-template <> __device__ inline float16 from_float<float16>(float value) { return float16{static_cast<_Float16>(value)}; }
+template <typename T> __device__ inline float bits_to_float(unsigned bits);
+template <typename T> __device__ inline unsigned float_to_bits(float value);
+template <> __device__ inline float bits_to_float<float16>(unsigned bits) {
+    return static_cast<float>(__builtin_bit_cast(_Float16, static_cast<unsigned short>(bits)));
+}
+template <> __device__ inline unsigned float_to_bits<float16>(float value) {
+    return __builtin_bit_cast(unsigned short, static_cast<_Float16>(value));
+}
 
 // bfloat16 as its 16 bits, converted by hand so that rounding is exactly torch's
 // (round to nearest even, NaN stays NaN) whatever the ROCm version's headers offer.
 struct bfloat16 { unsigned short bits; };
 __device__ inline float to_float(bfloat16 value) { return __uint_as_float(static_cast<unsigned>(value.bits) << 16); }
-template <> __device__ inline bfloat16 from_float<bfloat16>(float value) {
+template <> __device__ inline float bits_to_float<bfloat16>(unsigned bits) { return __uint_as_float(bits << 16); }
+template <> __device__ inline unsigned float_to_bits<bfloat16>(float value) {
     unsigned bits = __float_as_uint(value);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return bfloat16{static_cast<unsigned short>((bits >> 16) | 0x40u)};
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bits >> 16) | 0x40u;
     bits += 0x7fffu + ((bits >> 16) & 1u);
-    return bfloat16{static_cast<unsigned short>(bits >> 16)};
+    return bits >> 16;
 }
 
 #else
@@ -50,11 +57,22 @@ using float16 = __half;
 using bfloat16 = __nv_bfloat16;
 __device__ inline float to_float(float16 value) { return __half2float(value); }
 __device__ inline float to_float(bfloat16 value) { return __bfloat162float(value); }
-template <typename T> __device__ inline T from_float(float value);
-template <> __device__ inline float16 from_float<float16>(float value) { return __float2half_rn(value); }
-template <> __device__ inline bfloat16 from_float<bfloat16>(float value) { return __float2bfloat16_rn(value); }
+template <typename T> __device__ inline float bits_to_float(unsigned bits);
+template <typename T> __device__ inline unsigned float_to_bits(float value);
+template <> __device__ inline float bits_to_float<float16>(unsigned bits) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+template <> __device__ inline unsigned float_to_bits<float16>(float value) { return __half_as_ushort(__float2half_rn(value)); }
+template <> __device__ inline float bits_to_float<bfloat16>(unsigned bits) { return __uint_as_float(bits << 16); }
+template <> __device__ inline unsigned float_to_bits<bfloat16>(float value) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(value));
+}
 
 #endif
 
+// An element's bits (low bits of an unsigned) as float and back, rounding to nearest even:
+// packed 16-byte words are read and written through these rather than by viewing registers
+// as arrays of T, which older AMD compilers place in scratch memory.
 __device__ inline float to_float(float value) { return value; }
-template <> __device__ inline float from_float<float>(float value) { return value; }
+template <> __device__ inline float bits_to_float<float>(unsigned bits) { return __uint_as_float(bits); }
+template <> __device__ inline unsigned float_to_bits<float>(float value) { return __float_as_uint(value); }

@@ -37,7 +37,7 @@ struct RowPosition {
 // registers for 16-bit data, so more rows fit on an SM and more loads are in flight.
 template <typename T, int ROW_THREADS, int CHUNKS>
 struct Row {
-    static constexpr int kWords = kChunk * sizeof(T) / 16;
+    static constexpr int kWords = ChunkWords<T>::count;
     uint4 words[CHUNKS][kWords];
 
     // Row `at` of `rows` (zeros past D and in padding rows).
@@ -55,16 +55,14 @@ struct Row {
     }
 
     __device__ void get(int i, float (&values)[kChunk]) const {
-        const T* elements = reinterpret_cast<const T*>(words[i]);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) values[e] = to_float(elements[e]);
+        for (int e = 0; e < kChunk; ++e) values[e] = word_element<T>(words[i], e);
     }
 
     // Rounds values to T: later reads see exactly what a store of this chunk writes.
     __device__ void set(int i, const float (&values)[kChunk]) {
-        T* elements = reinterpret_cast<T*>(words[i]);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) elements[e] = from_float<T>(values[e]);
+        for (int e = 0; e < kChunk; ++e) set_word_element<T>(words[i], e, values[e]);
     }
 
     __device__ void store(T* row_out, const RowPosition& at, int i) const {
@@ -73,6 +71,27 @@ struct Row {
             *reinterpret_cast<uint4*>(row_out + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T))) = words[i][w];
     }
 };
+
+// row = residual + gate * row (gate absent: 1), rounded to T as stored into residual_out: the
+// norm that follows reads the sum as stored (ops 2 and 3).
+template <typename P, typename T, int ROW_THREADS, int CHUNKS>
+__device__ inline void add_residual(Row<T, ROW_THREADS, CHUNKS>& row, const Rows& residual, const ModulationRow<P>& gate,
+                                    const RowPosition& at, long long hidden, T* residual_out) {
+    Row<T, ROW_THREADS, CHUNKS> previous;
+    previous.load(residual, at, hidden);
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+        float v[kChunk], r[kChunk], g[kChunk];
+        row.get(i, v);
+        previous.get(i, r);
+        if (gate.data) gate.load(at.column<ROW_THREADS>(i), g);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) v[e] = r[e] + (gate.data ? g[e] * v[e] : v[e]);
+        row.set(i, v);
+        row.store(residual_out + at.row * hidden, at, i);
+    }
+}
 
 struct RowStatistics {
     float mean;  // 0 for RMSNorm

@@ -13,21 +13,7 @@ __global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
     Row<T, ROW_THREADS, CHUNKS> row;
     row.load(x, at, hidden);
     if (residual.data) {
-        Row<T, ROW_THREADS, CHUNKS> previous;
-        previous.load(residual, at, hidden);
-        const ModulationRow<P> residual_gate_row(residual_gate, at.batch, at.token);
-#pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) {
-            if (!at.holds<ROW_THREADS>(i, hidden)) continue;
-            float v[kChunk], r[kChunk], g[kChunk];
-            row.get(i, v);
-            previous.get(i, r);
-            residual_gate_row.load(at.column<ROW_THREADS>(i), g);
-#pragma unroll
-            for (int e = 0; e < kChunk; ++e) v[e] = r[e] + g[e] * v[e];
-            row.set(i, v);
-            row.store(residual_out + at.row * hidden, at, i);
-        }
+        add_residual(row, residual, ModulationRow<P>(residual_gate, at.batch, at.token), at, hidden, residual_out);
     }
     const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, false);
     const bool second = at.valid && load_integer(index, at.batch, at.token) != 0;

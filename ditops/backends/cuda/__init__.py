@@ -22,12 +22,5 @@ def available(device: DeviceInfo) -> Optional[str]:
     return None
 
 
-_ops = CompiledOps(launch)
-norm_scale_shift = _ops.norm_scale_shift
-residual_norm_scale_shift = _ops.residual_norm_scale_shift
-norm_scale_shift_select = _ops.norm_scale_shift_select
-residual_norm_scale_shift_select = _ops.residual_norm_scale_shift_select
-add_gate_norm = _ops.add_gate_norm
-add_gate_norm_scale = _ops.add_gate_norm_scale
-qk_norm_rope_ = _ops.qk_norm_rope_
-rope_ = _ops.rope_
+# One function per op, named as the op: what the registry looks up.
+globals().update(CompiledOps(launch).functions())

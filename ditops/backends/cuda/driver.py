@@ -4,12 +4,9 @@ torch itself uses."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from ... import kernel_cache
-from ..compiled import Instance, pack_arguments, source_hash
+from ..compiled import Binary, Instance, cached_binary, pack_arguments
 from . import nvrtc
 
 _functions: dict = {}  # (device index, Instance) -> CUfunction
@@ -33,23 +30,14 @@ def arch_of(device_index: int) -> str:
     return f"sm_{major}{minor}"
 
 
-class Cubin(NamedTuple):
-    binary: bytes
-    lowered_name: bytes
-    compiled: bool  # False: read from the disk cache
+def cubin(instance: Instance, arch: str) -> Binary:
+    """The instance's cubin for arch, from the disk cache or compiled now."""
 
+    def compile_now() -> tuple:
+        compiled = nvrtc.compile_instance(instance, arch)
+        return compiled.cubin, compiled.lowered_name
 
-def cubin(instance: Instance, arch: str) -> Cubin:
-    """The instance's cubin for arch from the disk cache, compiled on a miss."""
-    compiled = []
-
-    def compile_entry() -> bytes:
-        compiled.append(nvrtc.compile_instance(instance, arch))
-        return compiled[0].lowered_name.encode() + b"\0" + compiled[0].cubin
-
-    key = ("cuda", source_hash(), nvrtc.version(), arch, instance.source, instance.name_expression)
-    lowered, _, binary = kernel_cache.cached_binary(key, compile_entry).partition(b"\0")
-    return Cubin(binary, lowered, bool(compiled))
+    return cached_binary("cuda", nvrtc.version(), arch, instance, compile_now)
 
 
 def _make_context_current(device_index: int) -> None:

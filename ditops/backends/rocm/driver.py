@@ -4,13 +4,10 @@ hardware: everything up to the launch call runs in CI."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from ... import kernel_cache
 from ...dispatch.device import device_of
-from ..compiled import Instance, pack_arguments, source_hash
+from ..compiled import Binary, Instance, cached_binary, pack_arguments
 from . import hiprtc
 
 _functions: dict = {}  # (device index, Instance) -> hipFunction_t
@@ -29,23 +26,14 @@ def _check(result, what: str) -> tuple:
     return tuple(values)
 
 
-class Binary(NamedTuple):
-    code: bytes
-    lowered_name: bytes
-    compiled: bool  # False: read from the disk cache
-
-
 def code_object(instance: Instance, arch: str) -> Binary:
-    """The instance's code object for arch from the disk cache, compiled on a miss."""
-    compiled = []
+    """The instance's code object for arch, from the disk cache or compiled now."""
 
-    def compile_entry() -> bytes:
-        compiled.append(hiprtc.compile_instances([instance], arch))
-        return compiled[0].lowered_names[instance].encode() + b"\0" + compiled[0].code
+    def compile_now() -> tuple:
+        compiled = hiprtc.compile_instances([instance], arch)
+        return compiled.code, compiled.lowered_names[instance]
 
-    key = ("rocm", source_hash(), hiprtc.version(), arch, instance.source, instance.name_expression)
-    lowered, _, code = kernel_cache.cached_binary(key, compile_entry).partition(b"\0")
-    return Binary(code, lowered, bool(compiled))
+    return cached_binary("rocm", hiprtc.version(), arch, instance, compile_now)
 
 
 def function(instance: Instance, device_index: int):
