@@ -373,11 +373,10 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torc
     return None
 
 
-def implementation_of(op: str, backend: str):
-    for implementation in dispatcher().implementations[op]:
-        if implementation.name == backend:
-            return implementation
-    return None
+def implementations_of(op: str, backend: str) -> list:
+    """The backend's enabled implementations of op, in registry order (a backend may have
+    several, e.g. one preferred for a size class and a general one after another backend)."""
+    return [implementation for implementation in dispatcher().implementations[op] if implementation.name == backend]
 
 
 def _results(op: str, arguments: dict, outputs: tuple) -> tuple:
@@ -394,16 +393,18 @@ def _bitwise_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
 def run_case(case: Case, backend: str, dtype: torch.dtype, device="cpu") -> Outcome:
     """Checks one backend on one case and dtype (see the module docstring)."""
     op = case.op
-    implementation = implementation_of(op, backend)
-    if implementation is None:
+    implementations = implementations_of(op, backend)
+    if not implementations:
         return Outcome("skip", f"{backend} has no enabled implementation of {op}")
     arguments = case.arguments(dtype, device)
     ordered, _ = ordered_arguments(op, **arguments)
     features = OPS[op].check(*ordered)
-    if features is not None:
-        refusal = implementation.refusal(features)
-        if refusal:
-            return Outcome("skip", refusal)
+    implementation = implementations[0]
+    if features is not None:  # the first that accepts, as a forced backend= call picks
+        refusals = [candidate.refusal(features) for candidate in implementations]
+        if all(refusals):
+            return Outcome("skip", "; ".join(refusals))
+        implementation = implementations[refusals.index(None)]
     expected = oracle(op, arguments, dtype)
     outputs = tuple(torch.full_like(t, float("nan")) for t in OPS[op].outputs(*ordered))
     try:
