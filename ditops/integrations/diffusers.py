@@ -1,0 +1,227 @@
+"""Put ditops under a diffusers transformer: ``report = apply(model)``, ``remove(model)``.
+
+``apply`` re-expresses parts of the model's blocks through the ditops ops, in place on the
+module instances (their ``forward`` or attention ``processor``), and returns a report of what
+it replaced and what it skipped. ``remove`` restores every replaced attribute exactly;
+``apply`` on a model that is already patched changes nothing. Everything a model does that no
+op covers stays as diffusers wrote it.
+
+Supported today (diffusers 0.42):
+- ``FluxTransformer2DModel``: the AdaLN-Zero modulations of every block -> ``norm_scale_shift``
+  (the per-batch chunks of the modulation stay strided views); in double blocks the gated
+  residual add of the attention output followed by ``norm2`` and its modulation ->
+  ``residual_norm_scale_shift``; in every attention processor the per-head RMSNorm of q and
+  k (separate weights for text and image tokens) and the interleaved RoPE -> ``qk_norm_rope_``
+  with a per-token cos/sin cache built from diffusers' rotary embedding.
+Any other model class, or another diffusers version, is left untouched with one warning.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import ops
+
+SUPPORTED_VERSION = "0.42."
+
+
+@dataclass
+class Report:
+    """What ``apply`` replaced, as (module path, op) pairs, and what it left alone and why."""
+
+    replaced: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"ditops replaced {len(self.replaced)} places:"] + [f"  {path}: {op}" for path, op in self.replaced]
+        return "\n".join(lines + [f"  skipped {what}" for what in self.skipped])
+
+
+@dataclass
+class _Patch:
+    module: torch.nn.Module
+    attribute: str
+    original: object
+    had_instance_value: bool  # the attribute lived in the instance's __dict__ (a processor) or on its class (forward)
+
+
+def apply(model: torch.nn.Module) -> Report:
+    """Replaces what ditops covers in ``model``; returns what was replaced and what was skipped."""
+    if getattr(model, "_ditops_patches", None) is not None:
+        return model._ditops_report
+    import diffusers
+
+    name = type(model).__name__
+    if not diffusers.__version__.startswith(SUPPORTED_VERSION):
+        return _untouched(model, f"{name}: diffusers {diffusers.__version__} (block code checked for {SUPPORTED_VERSION}x)")
+    patcher = _PATCHERS.get(name)
+    if patcher is None:
+        return _untouched(model, f"{name}: not a supported model ({', '.join(_PATCHERS)})")
+    patches, report = [], Report()
+    patcher(model, patches, report)
+    model._ditops_patches, model._ditops_report = patches, report
+    return report
+
+
+def remove(model: torch.nn.Module) -> None:
+    """Restores every attribute ``apply`` replaced."""
+    for patch in reversed(getattr(model, "_ditops_patches", None) or []):
+        if patch.had_instance_value:
+            setattr(patch.module, patch.attribute, patch.original)
+        else:
+            delattr(patch.module, patch.attribute)  # the class's attribute shows through again
+    for attribute in ("_ditops_patches", "_ditops_report"):
+        if hasattr(model, attribute):
+            delattr(model, attribute)
+
+
+def _untouched(model, reason: str) -> Report:
+    warnings.warn(f"ditops.integrations.diffusers.apply left the model untouched: {reason}", stacklevel=3)
+    return Report(skipped=[reason])
+
+
+def _replace(patches: list, module, attribute: str, value) -> None:
+    had_instance_value = attribute in vars(module)
+    patches.append(_Patch(module, attribute, getattr(module, attribute), had_instance_value))
+    if callable(value) and not had_instance_value and attribute == "forward":
+        value = types.MethodType(value, module)
+    setattr(module, attribute, value)
+
+
+# ----- FLUX --------------------------------------------------------------------------------
+
+def _plain_layer_norm(norm) -> bool:
+    return isinstance(norm, torch.nn.LayerNorm) and norm.weight is None and norm.bias is None
+
+
+def _ada_layer_norm_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+    """diffusers' AdaLayerNormZero: the six modulation chunks of one linear layer, the first
+    two applied to LayerNorm(x). The chunks are [B, D] views: per-batch modulation."""
+    if self.emb is not None:
+        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(6, dim=1)
+    return ops.norm_scale_shift(x, scale_msa, shift_msa, eps=self.norm.eps), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _ada_layer_norm_zero_single_forward(self, x, emb=None):
+    shift_msa, scale_msa, gate_msa = self.linear(self.silu(emb)).chunk(3, dim=1)
+    return ops.norm_scale_shift(x, scale_msa, shift_msa, eps=self.norm.eps), gate_msa
+
+
+def _flux_double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                               joint_attention_kwargs=None):
+    """diffusers' FluxTransformerBlock with each "residual + gate * attention, then norm2 and
+    its modulation" as one residual_norm_scale_shift."""
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    norm_context, context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb)
+    outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
+                        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    attention, context_attention = outputs[0], outputs[1]
+
+    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
+        attention, hidden_states, gate_msa, scale_mlp, shift_mlp, eps=self.norm2.eps)
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
+    if len(outputs) == 3:  # IP-Adapter output
+        hidden_states = hidden_states + outputs[2]
+
+    norm_context, encoder_hidden_states = ops.residual_norm_scale_shift(
+        context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
+        eps=self.norm2_context.eps)
+    encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _cos_sin_cache(image_rotary_emb) -> torch.Tensor:
+    """diffusers' (cos, sin), each [S, Dh] with every pair's value repeated, as the [S, Dh]
+    cache of OPS.md: the Dh/2 cos, then the Dh/2 sin."""
+    cos, sin = image_rotary_emb
+    cache = torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=1)
+    return cache if cache.dtype in (torch.float32, torch.bfloat16, torch.float16) else cache.float()
+
+
+class FluxQKNormRopeProcessor:
+    """diffusers' FluxAttnProcessor with the q/k RMSNorms and the RoPE as qk_norm_rope_: text
+    tokens first with the added-projection norms, then image tokens at position_offset = text
+    length with the image norms. Without rotary embeddings it defers to the original."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_flux import _get_qkv_projections
+
+        if image_rotary_emb is None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        query, key, value, context_query, context_key, context_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states)
+        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
+        cache = _cos_sin_cache(image_rotary_emb)
+        eps = attn.norm_q.eps
+        if attn.added_kv_proj_dim is None:
+            ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache, eps=eps)
+        else:
+            text = context_query.shape[1]
+            query = torch.cat([context_query.unflatten(-1, (-1, attn.head_dim)), query], dim=1)
+            key = torch.cat([context_key.unflatten(-1, (-1, attn.head_dim)), key], dim=1)
+            value = torch.cat([context_value.unflatten(-1, (-1, attn.head_dim)), value], dim=1)
+            ops.qk_norm_rope_(query[:, :text], key[:, :text], attn.norm_added_q.weight, attn.norm_added_k.weight,
+                              cache, eps=eps)
+            ops.qk_norm_rope_(query[:, text:], key[:, text:], attn.norm_q.weight, attn.norm_k.weight, cache,
+                              eps=eps, position_offset=text)
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
+                                    backend=self.original._attention_backend,
+                                    parallel_config=self.original._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out
+        context_out, out = out.split_with_sizes([encoder_hidden_states.shape[1], out.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+        return attn.to_out[1](attn.to_out[0](out.contiguous())), attn.to_add_out(context_out.contiguous())
+
+
+def _flux_attention_supported(attn) -> bool:
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    norms = [attn.norm_q, attn.norm_k] + ([attn.norm_added_q, attn.norm_added_k] if attn.added_kv_proj_dim else [])
+    return type(attn.processor) is FluxAttnProcessor and all(
+        isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None and norm.eps == attn.norm_q.eps for norm in norms)
+
+
+def _patch_flux(model, patches: list, report: Report) -> None:
+    for index, block in enumerate(model.transformer_blocks):
+        path = f"transformer_blocks.{index}"
+        if all(_plain_layer_norm(norm) for norm in (block.norm1.norm, block.norm1_context.norm, block.norm2, block.norm2_context)):
+            for name in ("norm1", "norm1_context"):
+                _replace(patches, getattr(block, name), "forward", _ada_layer_norm_zero_forward)
+                report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
+            _replace(patches, block, "forward", _flux_double_block_forward)
+            report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift"))
+        else:
+            report.skipped.append(f"{path}: norms with affine parameters or another type")
+        _patch_flux_attention(block.attn, f"{path}.attn", patches, report)
+    for index, block in enumerate(model.single_transformer_blocks):
+        path = f"single_transformer_blocks.{index}"
+        if _plain_layer_norm(block.norm.norm):
+            _replace(patches, block.norm, "forward", _ada_layer_norm_zero_single_forward)
+            report.replaced.append((f"{path}.norm", "norm_scale_shift"))
+        else:
+            report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
+        _patch_flux_attention(block.attn, f"{path}.attn", patches, report)
+
+
+def _patch_flux_attention(attn, path: str, patches: list, report: Report) -> None:
+    if _flux_attention_supported(attn):
+        _replace(patches, attn, "processor", FluxQKNormRopeProcessor(attn.processor))
+        report.replaced.append((f"{path}.processor", "qk_norm_rope_"))
+    else:
+        report.skipped.append(f"{path}: processor {type(attn.processor).__name__} or its q/k norms are not the ones checked")
+
+
+_PATCHERS = {"FluxTransformer2DModel": _patch_flux}

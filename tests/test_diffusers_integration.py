@@ -1,0 +1,99 @@
+"""ditops.integrations.diffusers on tiny random-weight diffusers models, on CPU (no download).
+
+Tolerance: the patched model computes the same math as diffusers with different rounding
+(one rounding per fused op instead of one per torch op), so outputs may differ by what one
+op may differ by (OPS.md: atol = rtol = 1e-5 in float32, 1.6e-2 in bfloat16, and a relative
+error of the whole tensor of at most 4 eps) for each block the signal went through.
+"""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+integration = pytest.importorskip("ditops.integrations.diffusers")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def tiny_flux(dtype):
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
+    generator = torch.Generator().manual_seed(1)
+    batch, image_tokens, text_tokens = 2, 12, 5
+    inputs = dict(
+        hidden_states=torch.randn(batch, image_tokens, 8, generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, 32, generator=generator),
+        pooled_projections=torch.randn(batch, 32, generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+    )
+    inputs = {name: value.to(dtype) for name, value in inputs.items()}
+    inputs.update(img_ids=torch.randn(image_tokens, 3, generator=generator) * 8, txt_ids=torch.zeros(text_tokens, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
+        model = model.eval().to(dtype)
+    return model, inputs, 4  # blocks
+
+
+def run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).sample.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_flux_patched_matches_diffusers_and_remove_restores_it(dtype):
+    model, inputs, blocks = tiny_flux(dtype)
+    expected = run(model, inputs)
+    report = integration.apply(model)
+    assert {op for _, op in report.replaced} == {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"}
+    assert len(report.replaced) == 12 and not report.skipped
+    patched = run(model, inputs)
+    tolerance = TOLERANCE[dtype] * blocks
+    torch.testing.assert_close(patched, expected, atol=tolerance, rtol=tolerance)
+    epsilon = torch.finfo(dtype).eps
+    assert (patched - expected).norm() / expected.norm() <= 4 * epsilon * blocks
+    integration.remove(model)
+    assert torch.equal(run(model, inputs), expected)
+
+
+def test_the_patched_model_runs_the_ops(monkeypatch):
+    model, inputs, _ = tiny_flux(torch.float32)
+    integration.apply(model)
+    calls = []
+    for name in ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"):
+        original = getattr(integration.ops, name)
+        monkeypatch.setattr(integration.ops, name, lambda *a, _original=original, _name=name, **k: calls.append(_name) or _original(*a, **k))
+    run(model, inputs)
+    # 2 double blocks: 2 AdaLN + 2 residual norms + 2 RoPE calls (text, image); 2 single blocks: 1 + 1
+    assert sorted(calls) == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4 + ["qk_norm_rope_"] * 6)
+
+
+def test_apply_twice_changes_nothing():
+    model, inputs, _ = tiny_flux(torch.float32)
+    first = integration.apply(model)
+    patches = list(model._ditops_patches)
+    assert integration.apply(model) is first and model._ditops_patches == patches
+    integration.remove(model)
+    assert not hasattr(model, "_ditops_patches")
+
+
+def test_an_unsupported_model_is_left_untouched_with_one_warning():
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1, rope_max_seq_len=32)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="left the model untouched: WanTransformer3DModel: not a supported model") as caught:
+        report = integration.apply(model)
+    assert len(caught) == 1 and report.replaced == [] and "WanTransformer3DModel" in report.skipped[0]
+    assert not hasattr(model, "_ditops_patches") and all(torch.equal(state[n], t) for n, t in model.state_dict().items())
+
+
+def test_importing_ditops_does_not_import_diffusers():
+    code = "import sys, ditops, ditops.integrations; print('diffusers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
