@@ -37,7 +37,7 @@ def tiny_flux(dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
         model = model.eval().to(dtype)
-    return model, inputs, 4  # blocks
+    return model, inputs, 4  # blocks the signal goes through
 
 
 def run(model, inputs) -> torch.Tensor:
@@ -82,15 +82,88 @@ def test_apply_twice_changes_nothing():
     assert not hasattr(model, "_ditops_patches")
 
 
-def test_an_unsupported_model_is_left_untouched_with_one_warning():
+def cast(model, dtype):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
+        return model.eval().to(dtype)
+
+
+def tiny_wan(dtype):
     torch.manual_seed(0)
     model = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1, rope_max_seq_len=32)
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32)
+    generator = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, 4, 3, 8, 8, generator=generator).to(dtype),
+                  timestep=torch.tensor([10.0, 500.0]),
+                  encoder_hidden_states=torch.randn(2, 7, 32, generator=generator).to(dtype))
+    return cast(model, dtype), inputs, 2
+
+
+def tiny_qwen(dtype, edit=False):
+    """Qwen-Image; with edit, the zero_cond_t variant whose image tokens after the first
+    image take the second modulation set (modulate_index, Qwen-Image-Edit)."""
+    torch.manual_seed(0)
+    model = diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=edit)
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(1, 4, 4), (1, 2, 4)] if edit else [(1, 4, 4)]
+    tokens = sum(frames * height * width for frames, height, width in shapes)
+    inputs = dict(hidden_states=torch.randn(2, tokens, 16, generator=generator).to(dtype),
+                  encoder_hidden_states=torch.randn(2, 7, 32, generator=generator).to(dtype),
+                  encoder_hidden_states_mask=torch.ones(2, 7), timestep=torch.tensor([0.1, 0.7]).to(dtype),
+                  img_shapes=[shapes] * 2)
+    return cast(model, dtype), inputs, 2
+
+
+MODELS = {
+    "wan": (tiny_wan, {"norm_scale_shift", "residual_norm_scale_shift", "rope_"}),
+    "qwen-image": (tiny_qwen, {"norm_scale_shift (select with modulate_index)",
+                               "residual_norm_scale_shift (select with modulate_index)"}),
+    "qwen-image-edit": (lambda dtype: tiny_qwen(dtype, edit=True),
+                        {"norm_scale_shift (select with modulate_index)",
+                         "residual_norm_scale_shift (select with modulate_index)"}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", MODELS)
+def test_wan_and_qwen_patched_match_diffusers(name, dtype):
+    build, ops_expected = MODELS[name]
+    model, inputs, blocks = build(dtype)
+    expected = run(model, inputs)
+    report = integration.apply(model)
+    assert {op for _, op in report.replaced} == ops_expected
+    patched = run(model, inputs)
+    tolerance = TOLERANCE[dtype] * blocks
+    torch.testing.assert_close(patched, expected, atol=tolerance, rtol=tolerance)
+    assert (patched - expected).norm() / expected.norm() <= 4 * torch.finfo(dtype).eps * blocks
+    integration.remove(model)
+    assert torch.equal(run(model, inputs), expected)
+
+
+def test_qwen_image_edit_runs_the_select_ops(monkeypatch):
+    model, inputs, _ = tiny_qwen(torch.float32, edit=True)
+    integration.apply(model)
+    calls = []
+    for name in ("norm_scale_shift", "norm_scale_shift_select", "residual_norm_scale_shift", "residual_norm_scale_shift_select"):
+        original = getattr(integration.ops, name)
+        monkeypatch.setattr(integration.ops, name, lambda *a, _original=original, _name=name, **k: calls.append(_name) or _original(*a, **k))
+    run(model, inputs)
+    # per block: the image stream's two select ops, the text stream's two plain ones
+    assert sorted(calls) == sorted(["norm_scale_shift_select", "residual_norm_scale_shift_select",
+                                    "norm_scale_shift", "residual_norm_scale_shift"] * 2)
+
+
+def test_an_unsupported_model_is_left_untouched_with_one_warning():
+    model = diffusers.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
+                                            num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                            pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    with pytest.warns(UserWarning, match="left the model untouched: WanTransformer3DModel: not a supported model") as caught:
+    with pytest.warns(UserWarning, match="left the model untouched: SD3Transformer2DModel: not a supported model") as caught:
         report = integration.apply(model)
-    assert len(caught) == 1 and report.replaced == [] and "WanTransformer3DModel" in report.skipped[0]
+    assert len(caught) == 1 and report.replaced == [] and "SD3Transformer2DModel" in report.skipped[0]
     assert not hasattr(model, "_ditops_patches") and all(torch.equal(state[n], t) for n, t in model.state_dict().items())
 
 

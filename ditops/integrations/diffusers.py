@@ -13,6 +13,14 @@ Supported today (diffusers 0.42):
   ``residual_norm_scale_shift``; in every attention processor the per-head RMSNorm of q and
   k (separate weights for text and image tokens) and the interleaved RoPE -> ``qk_norm_rope_``
   with a per-token cos/sin cache built from diffusers' rotary embedding.
+- ``WanTransformer3DModel``: the float32-modulated ``norm1`` -> ``norm_scale_shift``; the
+  cross-attention residual (gate 1) with ``norm3`` and its modulation ->
+  ``residual_norm_scale_shift``; the self-attention RoPE -> ``rope_`` (Wan's q/k RMSNorm
+  spans all heads, so it stays as diffusers wrote it).
+- ``QwenImageTransformer2DModel``: both streams' modulated ``norm1`` -> ``norm_scale_shift``
+  and "residual + gate * attention, then ``norm2`` and its modulation" ->
+  ``residual_norm_scale_shift``; with ``modulate_index`` (Qwen-Image-Edit) the image stream
+  uses the select forms. Its attention (q/k norm + complex RoPE) is not replaced yet.
 Any other model class, or another diffusers version, is left untouched with one warning.
 """
 
@@ -224,4 +232,156 @@ def _patch_flux_attention(attn, path: str, patches: list, report: Report) -> Non
         report.skipped.append(f"{path}: processor {type(attn.processor).__name__} or its q/k norms are not the ones checked")
 
 
-_PATCHERS = {"FluxTransformer2DModel": _patch_flux}
+# ----- Wan ---------------------------------------------------------------------------------
+
+def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+    """diffusers' WanTransformerBlock with the float32-modulated norm1 as norm_scale_shift and
+    "residual + cross-attention (gate 1), then norm3 and its modulation" as one
+    residual_norm_scale_shift. The modulation stays float32 next to bf16 activations."""
+    if temb.ndim == 4:  # Wan2.2 TI2V: per-token modulation [B, S, 6, D]
+        chunks = (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        chunks = [chunk.squeeze(2) for chunk in chunks]
+    else:  # [B, 6, D]: one [B, 1, D] vector per batch item
+        chunks = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
+    shift_msa, scale_msa, gate_msa, context_shift, context_scale, context_gate = chunks
+
+    norm_hidden_states = ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
+    attention = self.attn1(norm_hidden_states, None, None, rotary_emb)
+    hidden_states = (hidden_states.float() + attention * gate_msa).type_as(hidden_states)
+
+    norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
+    cross_attention = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
+        cross_attention, hidden_states, None, context_scale, context_shift, eps=self.norm3.eps)
+    feed_forward = self.ffn(norm_hidden_states)
+    return (hidden_states.float() + feed_forward.float() * context_gate).type_as(hidden_states)
+
+
+class WanRopeProcessor:
+    """diffusers' WanAttnProcessor for self-attention with its interleaved RoPE as rope_ on q
+    and k (after Wan's RMSNorm across all heads, which stays as diffusers wrote it). Calls
+    without rotary embeddings or with image context (cross-attention) go to the original."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        if rotary_emb is None or attn.add_k_proj is not None or encoder_hidden_states is not None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        cos, sin = rotary_emb  # [1, S, 1, Dh] each, every pair's value repeated
+        cache = torch.cat([cos[0, :, 0, 0::2], sin[0, :, 0, 1::2]], dim=1)
+        ops.rope_(query, key, cache if cache.dtype != torch.float64 else cache.float())
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                                    backend=self.original._attention_backend,
+                                    parallel_config=self.original._parallel_config)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _fp32_layer_norm(norm) -> bool:
+    from diffusers.models.normalization import FP32LayerNorm
+
+    return type(norm) is FP32LayerNorm and norm.weight is None and norm.bias is None
+
+
+def _patch_wan(model, patches: list, report: Report) -> None:
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    for index, block in enumerate(model.blocks):
+        path = f"blocks.{index}"
+        if _fp32_layer_norm(block.norm1) and _fp32_layer_norm(block.norm3):
+            _replace(patches, block, "forward", _wan_block_forward)
+            report.replaced += [(f"{path}.norm1", "norm_scale_shift"), (f"{path}.norm3", "residual_norm_scale_shift")]
+        else:
+            report.skipped.append(f"{path}: norm1/norm3 with affine parameters or another type")
+        if type(block.attn1.processor) is WanAttnProcessor:
+            _replace(patches, block.attn1, "processor", WanRopeProcessor(block.attn1.processor))
+            report.replaced.append((f"{path}.attn1.processor", "rope_"))
+        else:
+            report.skipped.append(f"{path}.attn1: processor {type(block.attn1.processor).__name__}")
+
+
+# ----- Qwen-Image --------------------------------------------------------------------------
+
+def _halves(t: torch.Tensor) -> tuple:
+    """Qwen-Image-Edit stacks the modulation of index 0 and index 1 along the batch: [2B, D]."""
+    return t[: t.shape[0] // 2], t[t.shape[0] // 2:]
+
+
+def _qwen_first_norm(x, modulation, index, eps):
+    """LayerNorm(x) with the (shift, scale, gate) rows of ``modulation``: (modulated, gate).
+    With a per-token index, the select form: gate is then per token, [B, S, D]."""
+    shift, scale, gate = modulation.chunk(3, dim=-1)
+    if index is None:
+        return ops.norm_scale_shift(x, scale, shift, eps=eps), gate.unsqueeze(1)
+    (scale0, scale1), (shift0, shift1), (gate0, gate1) = _halves(scale), _halves(shift), _halves(gate)
+    return ops.norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1, eps=eps)
+
+
+def _qwen_second_norm(attention, residual, first_gate, modulation, index, eps):
+    """residual + first_gate * attention, stored, then its modulated LayerNorm:
+    (modulated, new residual, gate for the MLP)."""
+    shift, scale, gate = modulation.chunk(3, dim=-1)
+    if index is None:
+        modulated, residual = ops.residual_norm_scale_shift(attention, residual, first_gate.squeeze(1), scale, shift, eps=eps)
+        return modulated, residual, gate.unsqueeze(1)
+    (scale0, scale1), (shift0, shift1), (gate0, gate1) = _halves(scale), _halves(shift), _halves(gate)
+    return ops.residual_norm_scale_shift_select(attention, residual, first_gate, index, scale0, shift0, gate0, scale1,
+                                                shift1, gate1, eps=eps)
+
+
+def _qwen_block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                        image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
+    """diffusers' QwenImageTransformerBlock with its modulated norms as norm_scale_shift and
+    residual_norm_scale_shift (their select forms with modulate_index). Attention and MLPs
+    stay as diffusers wrote them."""
+    image_modulation = self.img_mod(temb)
+    if self.zero_cond_t:
+        temb = torch.chunk(temb, 2, dim=0)[0]
+    text_modulation = self.txt_mod(temb)
+    image_first, image_second = image_modulation.chunk(2, dim=-1)
+    text_first, text_second = text_modulation.chunk(2, dim=-1)
+    index = None if modulate_index is None else torch.as_tensor(modulate_index, device=hidden_states.device)
+    eps = self.img_norm1.eps
+
+    image_modulated, image_gate = _qwen_first_norm(hidden_states, image_first, index, eps)
+    text_modulated, text_gate = _qwen_first_norm(encoder_hidden_states, text_first, None, eps)
+    image_attention, text_attention = self.attn(
+        hidden_states=image_modulated, encoder_hidden_states=text_modulated,
+        encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}))
+    image_modulated, hidden_states, image_gate = _qwen_second_norm(
+        image_attention, hidden_states, image_gate, image_second, index, eps)
+    text_modulated, encoder_hidden_states, text_gate = _qwen_second_norm(
+        text_attention, encoder_hidden_states, text_gate, text_second, None, eps)
+    hidden_states = hidden_states + image_gate * self.img_mlp(image_modulated)
+    encoder_hidden_states = encoder_hidden_states + text_gate * self.txt_mlp(text_modulated)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _patch_qwen(model, patches: list, report: Report) -> None:
+    for index, block in enumerate(model.transformer_blocks):
+        path = f"transformer_blocks.{index}"
+        norms = (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)
+        if all(_plain_layer_norm(norm) and norm.eps == block.img_norm1.eps for norm in norms):
+            _replace(patches, block, "forward", _qwen_block_forward)
+            report.replaced += [(f"{path}.img_norm1, {path}.txt_norm1", "norm_scale_shift (select with modulate_index)"),
+                                (f"{path}.img_norm2, {path}.txt_norm2",
+                                 "residual_norm_scale_shift (select with modulate_index)")]
+        else:
+            report.skipped.append(f"{path}: norms with affine parameters, another type or other eps")
+        report.skipped.append(f"{path}.attn: its q/k norm + RoPE (complex frequencies) is not replaced yet")
+
+
+_PATCHERS = {"FluxTransformer2DModel": _patch_flux, "WanTransformer3DModel": _patch_wan,
+             "QwenImageTransformer2DModel": _patch_qwen}
