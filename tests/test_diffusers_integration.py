@@ -170,3 +170,29 @@ def test_an_unsupported_model_is_left_untouched_with_one_warning():
 def test_importing_ditops_does_not_import_diffusers():
     code = "import sys, ditops, ditops.integrations; print('diffusers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["flux", "wan", "qwen-image"])
+def test_torch_compile_of_the_patched_model_has_no_graph_breaks(name):
+    build = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen}[name]
+    model, inputs, _ = build(torch.float32)
+    integration.apply(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(**inputs)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    code = explanation.graphs[0].code
+    assert "torch.ops.ditops.norm_scale_shift" in code and "torch.ops.ditops.residual_norm_scale_shift" in code
+
+
+def test_model_to_dtype_after_apply_keeps_the_patches():
+    model, inputs, blocks = tiny_flux(torch.float32)
+    reference_model, _, _ = tiny_flux(torch.float32)
+    integration.apply(model)
+    model, reference_model = cast(model, torch.bfloat16), cast(reference_model, torch.bfloat16)
+    inputs = {name: value.to(torch.bfloat16) if value.is_floating_point() and name.endswith("states") or name in ("pooled_projections", "timestep") else value
+              for name, value in inputs.items()}
+    patched, expected = run(model, inputs), run(reference_model, inputs)
+    tolerance = TOLERANCE[torch.bfloat16] * blocks
+    torch.testing.assert_close(patched, expected, atol=tolerance, rtol=tolerance)
+    assert len(model._ditops_patches) == 12
