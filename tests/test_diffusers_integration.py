@@ -120,10 +120,10 @@ def tiny_qwen(dtype, edit=False):
 MODELS = {
     "wan": (tiny_wan, {"norm_scale_shift", "residual_norm_scale_shift", "rope_"}),
     "qwen-image": (tiny_qwen, {"norm_scale_shift (select with modulate_index)",
-                               "residual_norm_scale_shift (select with modulate_index)"}),
+                               "residual_norm_scale_shift (select with modulate_index)", "qk_norm_rope_"}),
     "qwen-image-edit": (lambda dtype: tiny_qwen(dtype, edit=True),
                         {"norm_scale_shift (select with modulate_index)",
-                         "residual_norm_scale_shift (select with modulate_index)"}),
+                         "residual_norm_scale_shift (select with modulate_index)", "qk_norm_rope_"}),
 }
 
 

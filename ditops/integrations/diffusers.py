@@ -20,7 +20,8 @@ Supported today (diffusers 0.42):
 - ``QwenImageTransformer2DModel``: both streams' modulated ``norm1`` -> ``norm_scale_shift``
   and "residual + gate * attention, then ``norm2`` and its modulation" ->
   ``residual_norm_scale_shift``; with ``modulate_index`` (Qwen-Image-Edit) the image stream
-  uses the select forms. Its attention (q/k norm + complex RoPE) is not replaced yet.
+  uses the select forms; each stream's q/k RMSNorm + RoPE (complex frequencies, interleaved
+  pairs) -> ``qk_norm_rope_``.
 Any other model class, or another diffusers version, is left untouched with one warning.
 """
 
@@ -369,6 +370,57 @@ def _qwen_block_forward(self, hidden_states, encoder_hidden_states, encoder_hidd
     return encoder_hidden_states, hidden_states
 
 
+class QwenQKNormRopeProcessor:
+    """diffusers' QwenDoubleStreamAttnProcessor2_0 with each stream's q/k RMSNorm and RoPE as
+    qk_norm_rope_: the text tokens with the added-projection norms and the text frequencies,
+    the image tokens with the image norms and frequencies, in place on slices of the joint
+    q and k. Calls without rotary embeddings go to the original."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                 attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        if image_rotary_emb is None or encoder_hidden_states is None or attention_mask is not None:
+            return self.original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
+                                 image_rotary_emb)
+        if encoder_hidden_states_mask is not None:  # text tokens as the mask says, every image token
+            image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+            attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
+        text = encoder_hidden_states.shape[1]
+        head_size = attn.inner_dim // attn.heads
+        joint = [torch.cat([text_projection(encoder_hidden_states), image_projection(hidden_states)], dim=1)
+                 .unflatten(-1, (-1, head_size))
+                 for text_projection, image_projection in ((attn.add_q_proj, attn.to_q), (attn.add_k_proj, attn.to_k),
+                                                           (attn.add_v_proj, attn.to_v))]
+        query, key, value = joint
+        image_frequencies, text_frequencies = image_rotary_emb  # complex [S, Dh / 2] per stream
+        eps = attn.norm_q.eps
+        for tokens, q_norm, k_norm, frequencies in ((slice(0, text), attn.norm_added_q, attn.norm_added_k, text_frequencies),
+                                                    (slice(text, None), attn.norm_q, attn.norm_k, image_frequencies)):
+            cache = torch.cat([frequencies.real, frequencies.imag], dim=-1).float()
+            ops.qk_norm_rope_(query[:, tokens], key[:, tokens], q_norm.weight, k_norm.weight, cache, eps=eps)
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                                    backend=self.original._attention_backend,
+                                    parallel_config=self.original._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        image_out = attn.to_out[0](out[:, text:].contiguous())
+        if len(attn.to_out) > 1:
+            image_out = attn.to_out[1](image_out)
+        return image_out, attn.to_add_out(out[:, :text].contiguous())
+
+
+def _qwen_attention_supported(attn) -> bool:
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+    return type(attn.processor) is QwenDoubleStreamAttnProcessor2_0 and all(
+        type(norm) is RMSNorm and norm.weight is not None and norm.eps == attn.norm_q.eps for norm in norms)
+
+
 def _patch_qwen(model, patches: list, report: Report) -> None:
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
@@ -380,7 +432,11 @@ def _patch_qwen(model, patches: list, report: Report) -> None:
                                  "residual_norm_scale_shift (select with modulate_index)")]
         else:
             report.skipped.append(f"{path}: norms with affine parameters, another type or other eps")
-        report.skipped.append(f"{path}.attn: its q/k norm + RoPE (complex frequencies) is not replaced yet")
+        if _qwen_attention_supported(block.attn):
+            _replace(patches, block.attn, "processor", QwenQKNormRopeProcessor(block.attn.processor))
+            report.replaced.append((f"{path}.attn.processor", "qk_norm_rope_"))
+        else:
+            report.skipped.append(f"{path}.attn: processor {type(block.attn.processor).__name__} or its q/k norms")
 
 
 _PATCHERS = {"FluxTransformer2DModel": _patch_flux, "WanTransformer3DModel": _patch_wan,
