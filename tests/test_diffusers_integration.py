@@ -40,6 +40,15 @@ def tiny_flux(dtype):
     return model, inputs, 4  # blocks the signal goes through
 
 
+def recorded_calls(monkeypatch, names) -> list:
+    """The names of the ops among `names` that the integration calls, in call order."""
+    calls = []
+    for name in names:
+        original = getattr(integration.ops, name)
+        monkeypatch.setattr(integration.ops, name, lambda *a, _original=original, _name=name, **k: calls.append(_name) or _original(*a, **k))
+    return calls
+
+
 def run(model, inputs) -> torch.Tensor:
     with torch.no_grad():
         sample = model(**inputs).sample
@@ -65,10 +74,7 @@ def test_flux_patched_matches_diffusers_and_remove_restores_it(dtype):
 def test_the_patched_model_runs_the_ops(monkeypatch):
     model, inputs, _ = tiny_flux(torch.float32)
     integration.apply(model)
-    calls = []
-    for name in ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"):
-        original = getattr(integration.ops, name)
-        monkeypatch.setattr(integration.ops, name, lambda *a, _original=original, _name=name, **k: calls.append(_name) or _original(*a, **k))
+    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"))
     run(model, inputs)
     # 2 double blocks: 2 AdaLN + 2 residual norms + 2 RoPE calls (text, image); 2 single blocks: 1 + 1
     assert sorted(calls) == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4 + ["qk_norm_rope_"] * 6)
@@ -160,10 +166,7 @@ def test_wan_and_qwen_patched_match_diffusers(name, dtype):
 def test_qwen_image_edit_runs_the_select_ops(monkeypatch):
     model, inputs, _ = tiny_qwen(torch.float32, edit=True)
     integration.apply(model)
-    calls = []
-    for name in ("norm_scale_shift", "norm_scale_shift_select", "residual_norm_scale_shift", "residual_norm_scale_shift_select"):
-        original = getattr(integration.ops, name)
-        monkeypatch.setattr(integration.ops, name, lambda *a, _original=original, _name=name, **k: calls.append(_name) or _original(*a, **k))
+    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "norm_scale_shift_select", "residual_norm_scale_shift", "residual_norm_scale_shift_select"))
     run(model, inputs)
     # per block: the image stream's two select ops, the text stream's two plain ones
     assert sorted(calls) == sorted(["norm_scale_shift_select", "residual_norm_scale_shift_select",
@@ -173,10 +176,7 @@ def test_qwen_image_edit_runs_the_select_ops(monkeypatch):
 def test_z_image_runs_the_gated_add_ops(monkeypatch):
     model, inputs, _ = tiny_z_image(torch.float32)
     integration.apply(model)
-    calls = []
-    for name in ("norm_scale_shift", "add_gate_norm_scale", "add_gate_norm", "qk_norm_rope_"):
-        original = getattr(integration.ops, name)
-        monkeypatch.setattr(integration.ops, name, lambda *a, _original=original, _name=name, **k: calls.append(_name) or _original(*a, **k))
+    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "add_gate_norm_scale", "add_gate_norm", "qk_norm_rope_"))
     run(model, inputs)
     # three modulated blocks (noise refiner, two layers) run the three norm ops; the context
     # refiner has no modulation; all four attentions run qk_norm_rope_
