@@ -8,6 +8,7 @@ error of the whole tensor of at most 4 eps) for each block the signal went throu
 
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -78,6 +79,21 @@ def test_the_patched_model_runs_the_ops(monkeypatch):
     run(model, inputs)
     # 2 double blocks: 2 AdaLN + 2 residual norms + 2 RoPE calls (text, image); 2 single blocks: 1 + 1
     assert sorted(calls) == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4 + ["qk_norm_rope_"] * 6)
+
+
+def test_a_forward_already_set_on_the_instance_is_replaced_and_restored():
+    """Hooks (accelerate's offloading, for one) set forward on the instance: apply must still
+    bind its own, and remove must put the instance's back."""
+    model, inputs, _ = tiny_flux(torch.float32)
+    expected = run(model, inputs)
+    norm = model.transformer_blocks[0].norm1
+    hook = types.MethodType(type(norm).forward, norm)
+    norm.forward = hook
+    integration.apply(model)
+    assert norm.forward is not hook
+    torch.testing.assert_close(run(model, inputs), expected, atol=4e-5, rtol=4e-5)
+    integration.remove(model)
+    assert norm.forward is hook and torch.equal(run(model, inputs), expected)
 
 
 def test_apply_twice_changes_nothing():

@@ -101,7 +101,7 @@ def _untouched(model, reason: str) -> Report:
 def _replace(patches: list, module, attribute: str, value) -> None:
     had_instance_value = attribute in vars(module)
     patches.append(_Patch(module, attribute, getattr(module, attribute), had_instance_value))
-    if callable(value) and not had_instance_value and attribute == "forward":
+    if attribute == "forward":  # a function of the module, bound whether or not an instance forward was there
         value = types.MethodType(value, module)
     setattr(module, attribute, value)
 
