@@ -2,12 +2,16 @@
 
 Blocks at real widths and token counts: one FLUX.1 double block and one single block at
 1024px (4096 image + 512 text tokens, width 3072, 24 heads), one Wan2.1-1.3B block at 480p
-and 81 frames (32760 tokens), one Qwen-Image block at 1024px (4096 image + 512 text tokens).
+and 81 frames (32760 tokens), one Qwen-Image block at 1024px (4096 image + 512 text tokens),
+one Z-Image layer at 1024px (4096 image + 512 text tokens in one stream, width 3840, 30 heads).
 Each is built inside a one-layer diffusers model (so that ditops.integrations.diffusers.apply
 sees the real classes), fed the inputs the model would give it, and its forward timed four
 ways: eager diffusers, eager + ditops, torch.compile of diffusers, torch.compile + ditops
 (median of CUDA-event timings after warm-up). The patched output is compared with diffusers'.
-Usage: python benchmarks/models.py [--json FILE] [--models flux wan qwen-image]
+With --profile, each of the four ways also runs under torch.profiler and prints per forward:
+wall time, GPU kernel time, kernel count, the host time of each ditops op call, and the
+kernels that took the most GPU time (where a way loses: host-bound gaps or extra kernels).
+Usage: python benchmarks/models.py [--json FILE] [--models flux wan qwen-image z-image] [--profile]
 """
 
 from __future__ import annotations
@@ -90,10 +94,53 @@ def qwen_image():
     return model, prepare
 
 
-MODELS = {"flux": flux, "wan": wan, "qwen-image": qwen_image}
+def z_image():
+    from diffusers import ZImageTransformer2DModel
+
+    model = ZImageTransformer2DModel(n_layers=1, n_refiner_layers=1)  # Z-Image widths: 3840, 30 heads of 128
+
+    def prepare(model):
+        text, image = 512, 4096  # 1024px: 64 x 64 patches
+        ids = torch.cat([torch.stack([torch.arange(1, text + 1), torch.zeros(text), torch.zeros(text)], dim=1),
+                         torch.stack(torch.meshgrid(torch.full((1,), text + 1.0), torch.arange(64.0), torch.arange(64.0),
+                                                    indexing="ij"), dim=-1).reshape(-1, 3)]).long().cuda()
+        inputs = dict(x=randn(1, text + image, 3840), attn_mask=torch.ones(1, text + image, dtype=torch.bool, device="cuda"),
+                      freqs_cis=model.rope_embedder(ids).unsqueeze(0), adaln_input=randn(1, 256))
+        return lambda: model.layers[0](**inputs)
+    return model, prepare
 
 
-def measure(name: str) -> dict:
+MODELS = {"flux": flux, "wan": wan, "qwen-image": qwen_image, "z-image": z_image}
+
+
+def profile(function, label: str, forwards: int = 5) -> None:
+    """Prints where one way spends a forward: wall and kernel time, ditops host time per call, top kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    function()
+    torch.cuda.synchronize()
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(forwards):
+            function()
+        end.record()
+        torch.cuda.synchronize()
+    events = trace.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / forwards
+    count = sum(e.count for e in kernels) / forwards
+    print(f"  [{label}] wall {start.elapsed_time(end) / forwards:.3f} ms, kernels {kernel_ms:.3f} ms in {count:.0f} launches")
+    for e in events:
+        if e.key.startswith("ditops::"):
+            print(f"    host {e.key}: {e.cpu_time_total / e.count:.1f} us per call, {e.count // forwards} calls")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"    {e.self_device_time_total / 1e3 / forwards:7.3f} ms {e.count // forwards:3d}x {e.key[:90]}")
+
+
+def measure(name: str, profiling: bool = False) -> dict:
     torch.manual_seed(0)
     model, prepare = MODELS[name]()
     with warnings.catch_warnings():
@@ -108,12 +155,19 @@ def measure(name: str) -> dict:
         torch._dynamo.reset()
         compiled = torch.compile(forward)
         result["torch.compile diffusers ms"] = time_ms(compiled)
+        if profiling:
+            print(name, flush=True)
+            profile(forward, "eager diffusers")
+            profile(compiled, "torch.compile diffusers")
         report = integration.apply(model)
         patched = forward()
         result["eager + ditops ms"] = time_ms(forward)
         torch._dynamo.reset()
         compiled = torch.compile(forward)
         result["torch.compile + ditops ms"] = time_ms(compiled)
+        if profiling:
+            profile(forward, "eager + ditops")
+            profile(compiled, "torch.compile + ditops")
     difference = patched.float() - expected.float()
     result.update({
         "replaced": [f"{path}: {op}" for path, op in report.replaced],
@@ -129,10 +183,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary of each way")
     arguments = parser.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(DTYPE), "models": []}
     for name in arguments.models:
-        results["models"].append(measure(name))
+        results["models"].append(measure(name, arguments.profile))
         print(json.dumps({k: v for k, v in results["models"][-1].items() if k != "replaced"}), flush=True)
         if arguments.json:
             with open(arguments.json, "w") as file:

@@ -154,7 +154,7 @@ def tiny_z_image(dtype):
 
 MODELS = {
     "z-image": (tiny_z_image, {"norm_scale_shift", "add_gate_norm_scale", "add_gate_norm", "qk_norm_rope_"}),
-    "wan": (tiny_wan, {"norm_scale_shift", "residual_norm_scale_shift", "rope_"}),
+    "wan": (tiny_wan, {"norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift (rms), rope_"}),
     "qwen-image": (tiny_qwen, {"norm_scale_shift (select with modulate_index)",
                                "residual_norm_scale_shift (select with modulate_index)", "qk_norm_rope_"}),
     "qwen-image-edit": (lambda dtype: tiny_qwen(dtype, edit=True),
@@ -197,6 +197,15 @@ def test_z_image_runs_the_gated_add_ops(monkeypatch):
     # three modulated blocks (noise refiner, two layers) run the three norm ops; the context
     # refiner has no modulation; all four attentions run qk_norm_rope_
     assert sorted(calls) == sorted(["norm_scale_shift", "add_gate_norm_scale", "add_gate_norm"] * 3 + ["qk_norm_rope_"] * 4)
+
+
+def test_wan_runs_the_norm_ops_on_q_k_and_both_residuals(monkeypatch):
+    model, inputs, _ = tiny_wan(torch.float32)
+    integration.apply(model)
+    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "residual_norm_scale_shift", "rope_"))
+    run(model, inputs)
+    # per block: norm1, then q and k RMSNorm; norm2 and norm3 with their residuals; one RoPE
+    assert sorted(calls) == sorted((["norm_scale_shift"] * 3 + ["residual_norm_scale_shift"] * 2 + ["rope_"]) * 2)
 
 
 def test_an_unsupported_model_is_left_untouched_with_one_warning():

@@ -14,9 +14,10 @@ Supported today (diffusers 0.42):
   k (separate weights for text and image tokens) and the interleaved RoPE -> ``qk_norm_rope_``
   with a per-token cos/sin cache built from diffusers' rotary embedding.
 - ``WanTransformer3DModel``: the float32-modulated ``norm1`` -> ``norm_scale_shift``; the
-  cross-attention residual (gate 1) with ``norm3`` and its modulation ->
-  ``residual_norm_scale_shift``; the self-attention RoPE -> ``rope_`` (Wan's q/k RMSNorm
-  spans all heads, so it stays as diffusers wrote it).
+  gated self-attention residual with the affine ``norm2``, and the cross-attention residual
+  (gate 1) with ``norm3`` and its modulation -> ``residual_norm_scale_shift``; in
+  self-attention, the q/k RMSNorm across all heads -> ``norm_scale_shift`` (norm="rms", no
+  modulation) and the RoPE -> ``rope_``.
 - ``QwenImageTransformer2DModel``: both streams' modulated ``norm1`` -> ``norm_scale_shift``
   and "residual + gate * attention, then ``norm2`` and its modulation" ->
   ``residual_norm_scale_shift``; with ``modulate_index`` (Qwen-Image-Edit) the image stream
@@ -241,9 +242,10 @@ def _patch_flux_attention(attn, path: str, patches: list, report: Report) -> Non
 # ----- Wan ---------------------------------------------------------------------------------
 
 def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
-    """diffusers' WanTransformerBlock with the float32-modulated norm1 as norm_scale_shift and
-    "residual + cross-attention (gate 1), then norm3 and its modulation" as one
-    residual_norm_scale_shift. The modulation stays float32 next to bf16 activations."""
+    """diffusers' WanTransformerBlock with the float32-modulated norm1 as norm_scale_shift,
+    "residual + gate * self-attention, then the affine norm2" and "residual + cross-attention
+    (gate 1), then norm3 and its modulation" each as one residual_norm_scale_shift. The
+    modulation stays float32 next to bf16 activations."""
     if temb.ndim == 4:  # Wan2.2 TI2V: per-token modulation [B, S, 6, D]
         chunks = (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
         chunks = [chunk.squeeze(2) for chunk in chunks]
@@ -253,9 +255,14 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
 
     norm_hidden_states = ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
     attention = self.attn1(norm_hidden_states, None, None, rotary_emb)
-    hidden_states = (hidden_states.float() + attention * gate_msa).type_as(hidden_states)
-
-    norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
+    if isinstance(self.norm2, torch.nn.Identity):
+        hidden_states = (hidden_states.float() + attention * gate_msa).type_as(hidden_states)
+        norm_hidden_states = hidden_states
+    else:  # the affine norm2 as a residual_norm_scale_shift without modulation
+        no_modulation = gate_msa.new_zeros(())
+        norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
+            attention, hidden_states, gate_msa, no_modulation, no_modulation, weight=self.norm2.weight,
+            bias=self.norm2.bias, eps=self.norm2.eps)
     cross_attention = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
     norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
         cross_attention, hidden_states, None, context_scale, context_shift, eps=self.norm3.eps)
@@ -264,9 +271,9 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
 
 
 class WanRopeProcessor:
-    """diffusers' WanAttnProcessor for self-attention with its interleaved RoPE as rope_ on q
-    and k (after Wan's RMSNorm across all heads, which stays as diffusers wrote it). Calls
-    without rotary embeddings or with image context (cross-attention) go to the original."""
+    """diffusers' WanAttnProcessor for self-attention with Wan's q/k RMSNorm across all heads
+    as norm_scale_shift (norm="rms", no modulation) and its interleaved RoPE as rope_ on q and
+    k. Calls without rotary embeddings or with image context (cross-attention) go to the original."""
 
     def __init__(self, original):
         self.original = original
@@ -278,7 +285,9 @@ class WanRopeProcessor:
         if rotary_emb is None or attn.add_k_proj is not None or encoder_hidden_states is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query, key = attn.norm_q(query), attn.norm_k(key)
+        no_modulation = query.new_zeros(())
+        query, key = (ops.norm_scale_shift(t, no_modulation, no_modulation, weight=norm.weight, norm="rms", eps=norm.eps)
+                      for t, norm in ((query, attn.norm_q), (key, attn.norm_k)))
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         cos, sin = rotary_emb  # [1, S, 1, Dh] each, every pair's value repeated
         cache = torch.cat([cos[0, :, 0, 0::2], sin[0, :, 0, 1::2]], dim=1)
@@ -296,21 +305,38 @@ def _fp32_layer_norm(norm) -> bool:
     return type(norm) is FP32LayerNorm and norm.weight is None and norm.bias is None
 
 
-def _patch_wan(model, patches: list, report: Report) -> None:
+def _wan_norm2_supported(norm) -> bool:
+    """Identity (cross_attn_norm=False) or an affine FP32LayerNorm."""
+    from diffusers.models.normalization import FP32LayerNorm
+
+    return type(norm) is torch.nn.Identity or (type(norm) is FP32LayerNorm and norm.weight is not None
+                                                 and norm.bias is not None)
+
+
+def _wan_attention_supported(attn) -> bool:
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
+    return type(attn.processor) is WanAttnProcessor and all(
+        type(norm) is torch.nn.RMSNorm and norm.weight is not None and norm.eps is not None
+        for norm in (attn.norm_q, attn.norm_k))
+
+
+def _patch_wan(model, patches: list, report: Report) -> None:
     for index, block in enumerate(model.blocks):
         path = f"blocks.{index}"
-        if _fp32_layer_norm(block.norm1) and _fp32_layer_norm(block.norm3):
+        if _fp32_layer_norm(block.norm1) and _fp32_layer_norm(block.norm3) and _wan_norm2_supported(block.norm2):
             _replace(patches, block, "forward", _wan_block_forward)
-            report.replaced += [(f"{path}.norm1", "norm_scale_shift"), (f"{path}.norm3", "residual_norm_scale_shift")]
+            report.replaced.append((f"{path}.norm1", "norm_scale_shift"))
+            if not isinstance(block.norm2, torch.nn.Identity):
+                report.replaced.append((f"{path}.norm2", "residual_norm_scale_shift"))
+            report.replaced.append((f"{path}.norm3", "residual_norm_scale_shift"))
         else:
-            report.skipped.append(f"{path}: norm1/norm3 with affine parameters or another type")
-        if type(block.attn1.processor) is WanAttnProcessor:
+            report.skipped.append(f"{path}: norm1/norm2/norm3 with other parameters or of another type")
+        if _wan_attention_supported(block.attn1):
             _replace(patches, block.attn1, "processor", WanRopeProcessor(block.attn1.processor))
-            report.replaced.append((f"{path}.attn1.processor", "rope_"))
+            report.replaced.append((f"{path}.attn1.processor", "norm_scale_shift (rms), rope_"))
         else:
-            report.skipped.append(f"{path}.attn1: processor {type(block.attn1.processor).__name__}")
+            report.skipped.append(f"{path}.attn1: processor {type(block.attn1.processor).__name__} or its q/k norms")
 
 
 # ----- Qwen-Image --------------------------------------------------------------------------
