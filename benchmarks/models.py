@@ -8,7 +8,12 @@ Each is built inside a one-layer diffusers model (so that ditops.integrations.di
 sees the real classes), fed the inputs the model would give it, and its forward timed four
 ways: eager diffusers, eager + ditops, torch.compile of diffusers, torch.compile + ditops
 (median of CUDA-event timings after warm-up). The patched output is compared with diffusers'.
-With --profile, each of the four ways also runs under torch.profiler and prints per forward:
+Two times per way: one forward on its own (the host's time to issue the block's kernels
+shows, as nothing runs before it), and the time per block of --blocks forwards chained
+back to back, each fed the previous one's output, as the 19 to 60 blocks of a model run
+(the host issues block i+1 while the GPU runs block i). torch.compile compiles the block
+function once and calls it per block, as diffusers' regional compilation does.
+With --profile, each way's chained run also runs under torch.profiler and prints per block:
 wall time, GPU kernel time, kernel count, the host time of each ditops op call, and the
 kernels that took the most GPU time (where a way loses: host-bound gaps or extra kernels).
 Usage: python benchmarks/models.py [--json FILE] [--models flux wan qwen-image z-image] [--profile]
@@ -46,6 +51,11 @@ def randn(*shape):
     return torch.randn(*shape, device="cuda", dtype=DTYPE)
 
 
+# Each model gives (model, prepare); prepare(model) gives (step, state): step(state) runs the
+# block(s) once and returns the next state (the hidden streams), so blocks can be chained as
+# the model chains them.
+
+
 def flux():
     from diffusers import FluxTransformer2DModel
 
@@ -54,15 +64,15 @@ def flux():
         torch.zeros(1), torch.arange(64.0), torch.arange(64.0), indexing="ij"), dim=-1).reshape(-1, 3)]).cuda()
 
     def prepare(model):
-        rotary = model.pos_embed(ids)
-        inputs = dict(hidden_states=randn(1, 4096, 3072), encoder_hidden_states=randn(1, 512, 3072), temb=randn(1, 3072),
-                      image_rotary_emb=rotary)
+        rotary, temb = model.pos_embed(ids), randn(1, 3072)
 
-        def forward():
-            context, hidden = model.transformer_blocks[0](**inputs)
-            return model.single_transformer_blocks[0](hidden, context, inputs["temb"], rotary)[1]
+        def step(state):
+            hidden, context = state
+            context, hidden = model.transformer_blocks[0](hidden, context, temb, rotary)
+            context, hidden = model.single_transformer_blocks[0](hidden, context, temb, rotary)
+            return hidden, context
 
-        return forward
+        return step, (randn(1, 4096, 3072), randn(1, 512, 3072))
     return model, prepare
 
 
@@ -74,9 +84,9 @@ def wan():
 
     def prepare(model):
         latents = randn(1, 16, 21, 60, 104)  # 480x832, 81 frames -> 21 x 30 x 52 = 32760 tokens
-        inputs = dict(hidden_states=randn(1, 32760, 1536), encoder_hidden_states=randn(1, 512, 1536),
-                      temb=torch.randn(1, 6, 1536, device="cuda", dtype=torch.float32), rotary_emb=model.rope(latents))
-        return lambda: model.blocks[0](**inputs)
+        context, rotary = randn(1, 512, 1536), model.rope(latents)
+        temb = torch.randn(1, 6, 1536, device="cuda", dtype=torch.float32)
+        return (lambda state: (model.blocks[0](state[0], context, temb, rotary),)), (randn(1, 32760, 1536),)
     return model, prepare
 
 
@@ -87,10 +97,14 @@ def qwen_image():
 
     def prepare(model):
         rotary = model.pos_embed([(1, 64, 64)], max_txt_seq_len=512, device="cuda")
-        inputs = dict(hidden_states=randn(1, 4096, 3072), encoder_hidden_states=randn(1, 512, 3072),
-                      encoder_hidden_states_mask=torch.ones(1, 512, device="cuda", dtype=DTYPE), temb=randn(1, 3072),
-                      image_rotary_emb=rotary)
-        return lambda: model.transformer_blocks[0](**inputs)[1]
+        mask, temb = torch.ones(1, 512, device="cuda", dtype=DTYPE), randn(1, 3072)
+
+        def step(state):
+            hidden, context = state
+            context, hidden = model.transformer_blocks[0](hidden, context, mask, temb, rotary)
+            return hidden, context
+
+        return step, (randn(1, 4096, 3072), randn(1, 512, 3072))
     return model, prepare
 
 
@@ -104,17 +118,28 @@ def z_image():
         ids = torch.cat([torch.stack([torch.arange(1, text + 1), torch.zeros(text), torch.zeros(text)], dim=1),
                          torch.stack(torch.meshgrid(torch.full((1,), text + 1.0), torch.arange(64.0), torch.arange(64.0),
                                                     indexing="ij"), dim=-1).reshape(-1, 3)]).long().cuda()
-        inputs = dict(x=randn(1, text + image, 3840), attn_mask=torch.ones(1, text + image, dtype=torch.bool, device="cuda"),
-                      freqs_cis=model.rope_embedder(ids).unsqueeze(0), adaln_input=randn(1, 256))
-        return lambda: model.layers[0](**inputs)
+        mask = torch.ones(1, text + image, dtype=torch.bool, device="cuda")
+        frequencies, adaln = model.rope_embedder(ids).unsqueeze(0), randn(1, 256)
+        return (lambda state: (model.layers[0](state[0], mask, frequencies, adaln),)), (randn(1, text + image, 3840),)
     return model, prepare
 
 
 MODELS = {"flux": flux, "wan": wan, "qwen-image": qwen_image, "z-image": z_image}
 
 
-def profile(function, label: str, forwards: int = 5) -> None:
-    """Prints where one way spends a forward: wall and kernel time, ditops host time per call, top kernels."""
+def chained(step, state, blocks: int):
+    """``blocks`` steps back to back, each fed the previous one's output, as a model runs them."""
+    def forward():
+        current = state
+        for _ in range(blocks):
+            current = step(current)
+        return current
+    return forward
+
+
+def profile(function, label: str, blocks: int, forwards: int = 3) -> None:
+    """Prints where one way spends a block of a chained forward: wall and kernel time, ditops
+    host time per call, the kernels that took the most time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -129,53 +154,53 @@ def profile(function, label: str, forwards: int = 5) -> None:
         end.record()
         torch.cuda.synchronize()
     events = trace.key_averages()
+    per_block = forwards * blocks
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
-    kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / forwards
-    count = sum(e.count for e in kernels) / forwards
-    print(f"  [{label}] wall {start.elapsed_time(end) / forwards:.3f} ms, kernels {kernel_ms:.3f} ms in {count:.0f} launches")
+    kernel_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / per_block
+    launches = sum(e.count for e in kernels) / per_block
+    print(f"  [{label}] per block: wall {start.elapsed_time(end) / per_block:.3f} ms, "
+          f"kernels {kernel_ms:.3f} ms in {launches:.0f} launches")
     for e in events:
         if e.key.startswith("ditops::"):
-            print(f"    host {e.key}: {e.cpu_time_total / e.count:.1f} us per call, {e.count // forwards} calls")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
-        print(f"    {e.self_device_time_total / 1e3 / forwards:7.3f} ms {e.count // forwards:3d}x {e.key[:90]}")
+            print(f"    host {e.key}: {e.cpu_time_total / e.count:.1f} us per call, {e.count / per_block:g} per block")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]:
+        print(f"    {e.self_device_time_total / 1e3 / per_block:7.3f} ms {e.count / per_block:4g}x {e.key[:90]}")
 
 
-def measure(name: str, profiling: bool = False) -> dict:
+WAYS = ("eager diffusers", "torch.compile diffusers", "eager + ditops", "torch.compile + ditops")
+
+
+def measure(name: str, blocks: int, profiling: bool = False) -> dict:
     torch.manual_seed(0)
     model, prepare = MODELS[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = model.to("cuda", DTYPE).eval()
-    result = {"model": name}
+    result = {"model": name, "chained blocks": blocks}
+    outputs = {}
     with torch.no_grad():
         torch.manual_seed(1)
-        forward = prepare(model)
-        expected = forward()
-        result["eager diffusers ms"] = time_ms(forward)
-        torch._dynamo.reset()
-        compiled = torch.compile(forward)
-        result["torch.compile diffusers ms"] = time_ms(compiled)
-        if profiling:
-            print(name, flush=True)
-            profile(forward, "eager diffusers")
-            profile(compiled, "torch.compile diffusers")
-        report = integration.apply(model)
-        patched = forward()
-        result["eager + ditops ms"] = time_ms(forward)
-        torch._dynamo.reset()
-        compiled = torch.compile(forward)
-        result["torch.compile + ditops ms"] = time_ms(compiled)
-        if profiling:
-            profile(forward, "eager + ditops")
-            profile(compiled, "torch.compile + ditops")
-    difference = patched.float() - expected.float()
-    result.update({
-        "replaced": [f"{path}: {op}" for path, op in report.replaced],
-        "max abs difference": difference.abs().max().item(),
-        "relative difference": (difference.norm() / expected.float().norm()).item(),
-        "eager speedup": result["eager diffusers ms"] / result["eager + ditops ms"],
-        "compile speedup": result["torch.compile diffusers ms"] / result["torch.compile + ditops ms"],
-    })
+        step, state = prepare(model)
+        for way in WAYS:
+            if way == "eager + ditops":
+                report = integration.apply(model)
+            torch._dynamo.reset()
+            function = torch.compile(step) if way.startswith("torch.compile") else step
+            outputs[way] = function(state)[0]
+            result[f"{way} ms"] = time_ms(lambda: function(state))
+            result[f"{way} ms per chained block"] = time_ms(chained(function, state, blocks)) / blocks
+            if profiling:
+                profile(chained(function, state, blocks), f"{name}, {way}", blocks)
+    expected = outputs["eager diffusers"].float()
+    for way in WAYS[1:]:
+        difference = outputs[way].float() - expected
+        result[f"{way}: max abs difference"] = difference.abs().max().item()
+        result[f"{way}: relative difference"] = (difference.norm() / expected.norm()).item()
+    for timing in ("ms", "ms per chained block"):
+        result[f"eager speedup ({timing})"] = result[f"eager diffusers {timing}"] / result[f"eager + ditops {timing}"]
+        result[f"compile speedup ({timing})"] = (result[f"torch.compile diffusers {timing}"]
+                                                 / result[f"torch.compile + ditops {timing}"])
+    result["replaced"] = [f"{path}: {op}" for path, op in report.replaced]
     return result
 
 
@@ -183,11 +208,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--blocks", type=int, default=8, help="blocks chained back to back for the steady-state time")
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary of each way")
     arguments = parser.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(DTYPE), "models": []}
     for name in arguments.models:
-        results["models"].append(measure(name, arguments.profile))
+        results["models"].append(measure(name, arguments.blocks, arguments.profile))
         print(json.dumps({k: v for k, v in results["models"][-1].items() if k != "replaced"}), flush=True)
         if arguments.json:
             with open(arguments.json, "w") as file:

@@ -235,8 +235,8 @@ def qk_norm_rope_(
     """
     compute = _compute_dtype(q)
     cos, sin = _rope_angles(q, cos_sin_cache, positions, position_offset, compute)
-    for t, weight in ((q, q_weight), (k, k_weight)):
-        v = _normalize(t.to(compute), weight, None, "rms", eps)
+    for t, weight in ((q, q_weight), (k, k_weight)):  # copies: t is written below and autograd may have saved it
+        v = _normalize(t.to(compute, copy=True), weight, None, "rms", eps)
         t.copy_(_rotate(v, cos, sin, interleaved))
     return q, k
 
@@ -246,5 +246,5 @@ def rope_(q, k, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None
     compute = _compute_dtype(q)
     cos, sin = _rope_angles(q, cos_sin_cache, positions, position_offset, compute)
     for t in (q, k) if k is not None else (q,):
-        t.copy_(_rotate(t.to(compute), cos, sin, interleaved))
+        t.copy_(_rotate(t.to(compute, copy=True), cos, sin, interleaved))
     return q, k
