@@ -7,7 +7,10 @@ For each op, on tiny tensors:
   the reference's own time (tens of microseconds of small kernels) does not hide it;
 - first call: validation, features and selection as on a cache miss;
 - custom op: ``torch.ops.ditops.<op>`` (torch's dispatcher, the path under torch.compile),
-  with the real implementation, beside the public call with it.
+  with the real implementation, beside the public call with it;
+- issued: the host time per call when calls go back to back without a synchronization each
+  (what a model's forward sees), for the public call, torch.ops and the kernel launch alone
+  (the implementation with its outputs already allocated).
 Each figure is the minimum over repeats of the mean of many calls (the least-disturbed
 estimate of a fixed host cost). Usage: python benchmarks/dispatch_overhead.py [--device cuda]
 """
@@ -55,11 +58,26 @@ def measure(op: str, device: str, number: int, repeat: int) -> dict:
     def direct():
         implementation.function(*arguments, *spec.outputs(*arguments))
 
+    def issued(function):
+        """Host time per call when calls are issued back to back (the tiny kernels finish
+        faster than the host issues them), with one synchronization at the end."""
+        def run():
+            for _ in range(number):
+                function()
+            synchronize()
+
+        run()
+        return min(timeit.repeat(run, number=1, repeat=repeat)) / number * 1e6
+
+    outputs = spec.outputs(*arguments)
     result = dict(
         op=op,
         implementation=implementation.name,
         public_us=timed(lambda: public(**keywords)),
         custom_op_us=timed(lambda: library_op(*arguments, None)),
+        issue_public_us=issued(lambda: public(**keywords)),
+        issue_torch_ops_us=issued(lambda: library_op(*arguments, None)),
+        issue_kernel_us=issued(lambda: implementation.function(*arguments, *outputs)),
         first_call_us=microseconds(lambda: (spec.check(*arguments), select(op, spec.check(*arguments))), number, repeat),
     )
     real_function = implementation.function
@@ -81,10 +99,12 @@ def main() -> None:
     arguments = parser.parse_args()
     rows = [measure(op, arguments.device, arguments.number, arguments.repeat) for op in OPS]
     print(f"dispatch overhead on {arguments.device} ({platform.processor() or platform.machine()}), torch {torch.__version__}, ditops {ditops.__version__}")
-    header = ("op", "impl", "dispatch overhead us", "no-op direct us", "no-op public us", "first call us", "public us", "torch.ops us")
+    header = ("op", "impl", "dispatch overhead us", "no-op direct us", "no-op public us", "first call us", "public us",
+              "torch.ops us", "issued: public us", "issued: torch.ops us", "issued: kernel only us")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    keys = ("overhead_us", "noop_direct_us", "noop_public_us", "first_call_us", "public_us", "custom_op_us")
+    keys = ("overhead_us", "noop_direct_us", "noop_public_us", "first_call_us", "public_us", "custom_op_us",
+            "issue_public_us", "issue_torch_ops_us", "issue_kernel_us")
     for row in rows:
         print(f"| {row['op']} | {row['implementation']} | " + " | ".join(f"{row[key]:.2f}" for key in keys) + " |")
     if arguments.json:

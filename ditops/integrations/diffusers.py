@@ -270,7 +270,7 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
     return (hidden_states.float() + feed_forward.float() * context_gate).type_as(hidden_states)
 
 
-class WanRopeProcessor:
+class WanNormRopeProcessor:
     """diffusers' WanAttnProcessor for self-attention with Wan's q/k RMSNorm across all heads
     as norm_scale_shift (norm="rms", no modulation) and its interleaved RoPE as rope_ on q and
     k. Calls without rotary embeddings or with image context (cross-attention) go to the original."""
@@ -333,7 +333,7 @@ def _patch_wan(model, patches: list, report: Report) -> None:
         else:
             report.skipped.append(f"{path}: norm1/norm2/norm3 with other parameters or of another type")
         if _wan_attention_supported(block.attn1):
-            _replace(patches, block.attn1, "processor", WanRopeProcessor(block.attn1.processor))
+            _replace(patches, block.attn1, "processor", WanNormRopeProcessor(block.attn1.processor))
             report.replaced.append((f"{path}.attn1.processor", "norm_scale_shift (rms), rope_"))
         else:
             report.skipped.append(f"{path}.attn1: processor {type(block.attn1.processor).__name__} or its q/k norms")
