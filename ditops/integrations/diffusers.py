@@ -220,7 +220,8 @@ def _patch_flux(model, patches: list, report: Report) -> None:
             report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift"))
         else:
             report.skipped.append(f"{path}: norms with affine parameters or another type")
-        _patch_flux_attention(block.attn, f"{path}.attn", patches, report)
+        _replace_processor(block.attn, f"{path}.attn", _flux_attention_supported(block.attn), FluxQKNormRopeProcessor,
+                           "qk_norm_rope_", patches, report)
     for index, block in enumerate(model.single_transformer_blocks):
         path = f"single_transformer_blocks.{index}"
         if _plain_layer_norm(block.norm.norm):
@@ -228,13 +229,15 @@ def _patch_flux(model, patches: list, report: Report) -> None:
             report.replaced.append((f"{path}.norm", "norm_scale_shift"))
         else:
             report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
-        _patch_flux_attention(block.attn, f"{path}.attn", patches, report)
+        _replace_processor(block.attn, f"{path}.attn", _flux_attention_supported(block.attn), FluxQKNormRopeProcessor,
+                           "qk_norm_rope_", patches, report)
 
 
-def _patch_flux_attention(attn, path: str, patches: list, report: Report) -> None:
-    if _flux_attention_supported(attn):
-        _replace(patches, attn, "processor", FluxQKNormRopeProcessor(attn.processor))
-        report.replaced.append((f"{path}.processor", "qk_norm_rope_"))
+def _replace_processor(attn, path: str, supported: bool, processor_class, op: str, patches: list, report: Report) -> None:
+    """``attn.processor`` -> ``processor_class(original)`` when ``supported``; reported either way."""
+    if supported:
+        _replace(patches, attn, "processor", processor_class(attn.processor))
+        report.replaced.append((f"{path}.processor", op))
     else:
         report.skipped.append(f"{path}: processor {type(attn.processor).__name__} or its q/k norms are not the ones checked")
 
@@ -332,11 +335,8 @@ def _patch_wan(model, patches: list, report: Report) -> None:
             report.replaced.append((f"{path}.norm3", "residual_norm_scale_shift"))
         else:
             report.skipped.append(f"{path}: norm1/norm2/norm3 with other parameters or of another type")
-        if _wan_attention_supported(block.attn1):
-            _replace(patches, block.attn1, "processor", WanNormRopeProcessor(block.attn1.processor))
-            report.replaced.append((f"{path}.attn1.processor", "norm_scale_shift (rms), rope_"))
-        else:
-            report.skipped.append(f"{path}.attn1: processor {type(block.attn1.processor).__name__} or its q/k norms")
+        _replace_processor(block.attn1, f"{path}.attn1", _wan_attention_supported(block.attn1), WanNormRopeProcessor,
+                           "norm_scale_shift (rms), rope_", patches, report)
 
 
 # ----- Qwen-Image --------------------------------------------------------------------------
@@ -463,11 +463,8 @@ def _patch_qwen(model, patches: list, report: Report) -> None:
                                  "residual_norm_scale_shift (select with modulate_index)")]
         else:
             report.skipped.append(f"{path}: norms with affine parameters, another type or other eps")
-        if _qwen_attention_supported(block.attn):
-            _replace(patches, block.attn, "processor", QwenQKNormRopeProcessor(block.attn.processor))
-            report.replaced.append((f"{path}.attn.processor", "qk_norm_rope_"))
-        else:
-            report.skipped.append(f"{path}.attn: processor {type(block.attn.processor).__name__} or its q/k norms")
+        _replace_processor(block.attn, f"{path}.attn", _qwen_attention_supported(block.attn), QwenQKNormRopeProcessor,
+                           "qk_norm_rope_", patches, report)
 
 
 # ----- Z-Image -----------------------------------------------------------------------------
@@ -543,12 +540,10 @@ def _patch_z_image(model, patches: list, report: Report) -> None:
             elif block.modulation:
                 report.skipped.append(f"{path}: norms of another type, with bias or other eps")
             attention = block.attention
-            if type(attention.processor) is ZSingleStreamAttnProcessor and all(
-                    type(norm) is RMSNorm and norm.weight is not None for norm in (attention.norm_q, attention.norm_k)):
-                _replace(patches, attention, "processor", ZImageQKNormRopeProcessor(attention.processor))
-                report.replaced.append((f"{path}.attention.processor", "qk_norm_rope_"))
-            else:
-                report.skipped.append(f"{path}.attention: processor {type(attention.processor).__name__} or its q/k norms")
+            supported = type(attention.processor) is ZSingleStreamAttnProcessor and all(
+                type(norm) is RMSNorm and norm.weight is not None for norm in (attention.norm_q, attention.norm_k))
+            _replace_processor(attention, f"{path}.attention", supported, ZImageQKNormRopeProcessor, "qk_norm_rope_",
+                               patches, report)
 
 
 _PATCHERS = {"FluxTransformer2DModel": _patch_flux, "WanTransformer3DModel": _patch_wan,
