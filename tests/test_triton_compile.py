@@ -10,6 +10,7 @@ recorder: what the launch code would launch is what is compiled.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 import ditops.backends.triton as triton_backend
@@ -56,8 +58,11 @@ class _Recorder:
 
     def _record(self, *args, num_warps=4, **constexprs):
         signature, constants = {}, dict(constexprs)
+        parameters = inspect.signature(self.kernel.fn).parameters
         for name, value in zip(self.kernel.arg_names, args):
-            if value is None:
+            if parameters[name].annotation in (tl.constexpr, "tl.constexpr"):  # a constexpr passed by position
+                signature[name], constants[name] = "constexpr", value
+            elif value is None:
                 signature[name], constants[name] = "constexpr", None
             elif isinstance(value, torch.Tensor):
                 signature[name] = POINTER_TYPES[value.dtype]

@@ -17,8 +17,8 @@ def _tanh(v):
 def gated_add_norm_kernel(
     x, x_batch_stride, x_token_stride,
     branch, branch_batch_stride, branch_token_stride,
-    gate, gate_batch_stride, gate_group_stride, gate_group_size, gate_dim_stride,
-    scale, scale_batch_stride, scale_group_stride, scale_group_size, scale_dim_stride,
+    gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
+    scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
     weight, bias, weight2, bias2, out, y,
     rows, tokens, hidden, eps,
     RMS: tl.constexpr, TANH_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -29,7 +29,7 @@ def gated_add_norm_kernel(
     branch_row = load_rows(branch, batch, token, branch_batch_stride, branch_token_stride, columns, mask)
     normalized = normalize(branch_row, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
     gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
-                               gate_dim_stride, columns, mask)
+                               GATE_DIM_STRIDE, columns, mask)
     if TANH_GATE:
         gate_row = _tanh(gate_row)
     x_row = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
@@ -39,5 +39,5 @@ def gated_add_norm_kernel(
         normalized2 = normalize(stored.to(tl.float32), mask, hidden, eps, weight2, bias2, columns,
                                 RMS, HAS_WEIGHT2, HAS_BIAS2)
         scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                    scale_dim_stride, columns, mask)
+                                    SCALE_DIM_STRIDE, columns, mask)
         tl.store(y + row * hidden + columns, (normalized2 * (1.0 + scale_row)).to(y.dtype.element_ty), mask=mask)

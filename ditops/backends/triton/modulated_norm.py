@@ -12,9 +12,9 @@ from .row_math import load_modulation, load_rows, normalize, row_tile
 def modulated_norm_kernel(
     x, x_batch_stride, x_token_stride,
     residual, residual_batch_stride, residual_token_stride,
-    gate, gate_batch_stride, gate_group_stride, gate_group_size, gate_dim_stride,
-    scale, scale_batch_stride, scale_group_stride, scale_group_size, scale_dim_stride,
-    shift, shift_batch_stride, shift_group_stride, shift_group_size, shift_dim_stride,
+    gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
+    scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
+    shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE: tl.constexpr,
     weight, bias, y, residual_out,
     rows, tokens, hidden, eps,
     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
@@ -27,15 +27,15 @@ def modulated_norm_kernel(
         summand = v
         if HAS_GATE:
             summand = summand * load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride,
-                                                gate_group_size, gate_dim_stride, columns, mask)
+                                                gate_group_size, GATE_DIM_STRIDE, columns, mask)
         previous = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask)
         stored = (previous + summand).to(residual_out.dtype.element_ty)  # the norm reads it as stored
         tl.store(residual_out + row * hidden + columns, stored, mask=mask)
         v = stored.to(tl.float32)
     normalized = normalize(v, mask, hidden, eps, weight, bias, columns, RMS, HAS_WEIGHT, HAS_BIAS)
     scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                scale_dim_stride, columns, mask)
+                                SCALE_DIM_STRIDE, columns, mask)
     shift_row = load_modulation(shift, batch, token, shift_batch_stride, shift_group_stride, shift_group_size,
-                                shift_dim_stride, columns, mask)
+                                SHIFT_DIM_STRIDE, columns, mask)
     result = normalized * (1.0 + scale_row) + shift_row
     tl.store(y + row * hidden + columns, result.to(y.dtype.element_ty), mask=mask)

@@ -12,7 +12,8 @@ def row_tile(rows, tokens, hidden, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.con
     columns = tl.arange(0, BLOCK)[None, :]
     row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
     mask = columns < tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
-    return columns, row, row // tokens, row % tokens, mask
+    addressed = tl.minimum(row, rows - 1)  # and address the last one, so one unmasked load per row stays in bounds
+    return columns, row, addressed // tokens, addressed % tokens, mask
 
 
 @triton.jit
@@ -22,14 +23,22 @@ def load_rows(pointer, batch, token, batch_stride, token_stride, columns, mask):
 
 
 @triton.jit
-def load_modulation(pointer, batch, token, batch_stride, group_stride, group_size, dim_stride, columns, mask):
+def load_modulation(pointer, batch, token, batch_stride, group_stride, group_size, DIM_STRIDE: tl.constexpr, columns,
+                    mask):
     """The modulation vectors of rows (batch, token) ([ROWS, 1] each), as a float32 tile.
 
     Every form of OPS.md is one addressing rule: a scalar has all strides 0, a [D] vector only
-    dim_stride, a per-batch vector a batch_stride, a per-token one a group_stride with
-    group_size 1, and a per-frame one a group_stride with group_size = S // F tokens."""
+    DIM_STRIDE, a per-batch vector a batch_stride, a per-token one a group_stride with
+    group_size 1, and a per-frame one a group_stride with group_size = S // F tokens.
+    DIM_STRIDE is a constexpr so that a value shared by all columns (a scalar: 0) is one load
+    per row, broadcast: read per column, it cost a scalar-modulated RMSNorm at D = 1536 a
+    third of its bandwidth on an H200 (52% of copy against 86% with vectors)."""
     offset = batch * batch_stride + (token // group_size) * group_stride
-    return tl.load(pointer + offset + columns * dim_stride, mask=mask, other=0.0).to(tl.float32)
+    if DIM_STRIDE == 0:
+        values = tl.load(pointer + offset)  # [ROWS, 1]
+    else:
+        values = tl.load(pointer + offset + columns * DIM_STRIDE, mask=mask, other=0.0)
+    return values.to(tl.float32)
 
 
 @triton.jit
