@@ -1,34 +1,50 @@
 """The norm calls that ditops.integrations.diffusers makes in a Wan2.1-1.3B block (32760 tokens,
-D = 1536), with their real argument forms (float32 modulation chunks, scalar zeros, bf16
-weights), per backend: CUDA-graph time with rotating inputs and % of a 4266 GB/s copy (H200).
-It found the per-column load of scalar modulation in the Triton row kernels (row_math.py).
+D = 1536), with their real argument forms (float32 [1, 1, D] modulation chunks, 0-dim zeros
+for an absent scale and shift, bf16 weights): the selected implementation's CUDA-graph time
+with rotating inputs, and the percentage of this GPU's copy bandwidth. It found the
+per-column load of scalar modulation in the Triton row kernels (row_math.load_modulation).
 Usage: python benchmarks/wan_norm_calls.py
 """
+
+from __future__ import annotations
+
 import torch
 
 import ditops
-from ditops.bench.timing import cuda_graph
+from ditops.bench import timing
 
-COPY = 4266e9  # bytes/s, the H200's measured copy bandwidth (benchmarks/results)
-S, D = 32760, 1536
-bf = dict(device="cuda", dtype=torch.bfloat16)
-def r(*s, **k): return torch.randn(*s, **(k or bf))
-table = r(1, 6, D, device="cuda", dtype=torch.float32)
-chunks = table.chunk(6, dim=1)
-w, b = r(D), r(D)
-zero32 = torch.zeros((), device="cuda"); zero16 = torch.zeros((), **bf)
-cases = {
-  "norm1 fp32 [1,1,D] mod": (lambda x, y: ditops.norm_scale_shift(x, chunks[1], chunks[0], eps=1e-6, backend=B), 2),
-  "rms q, bf16 zero scalars, bf16 weight": (lambda x, y: ditops.norm_scale_shift(x, zero16, zero16, weight=w, norm="rms", backend=B), 2),
-  "norm2 residual, fp32 gate, fp32 zeros, bf16 w/b": (lambda x, y: ditops.residual_norm_scale_shift(x, y, chunks[2], zero32, zero32, weight=w, bias=b, backend=B), 4),
-  "norm3 residual, no gate, fp32 mod": (lambda x, y: ditops.residual_norm_scale_shift(x, y, None, chunks[4], chunks[3], backend=B), 4),
-  "norm1 bf16 [1,D] mod (bench form)": (lambda x, y: ditops.norm_scale_shift(x, chunks[1][0].bfloat16(), chunks[0][0].bfloat16(), backend=B), 2),
-}
-for name, (f, tensors) in cases.items():
-    for B in ("triton", "cuda"):
-        sets = [(r(1, S, D), r(1, S, D)) for _ in range(4)]
-        try:
-            t = cuda_graph([lambda x=x, y=y: f(x, y) for x, y in sets])
-        except Exception as e:
-            print(f"{name:50s} {B:7s} refused: {str(e).splitlines()[0][:80]}"); continue
-        print(f"{name:50s} {B:7s} {t.us:8.1f} us {tensors * S * D * 2 / t.us / 1e-6 / COPY * 100:5.1f}% of copy")
+TOKENS, HIDDEN = 32760, 1536
+
+
+def wan_calls() -> list:
+    """(what, activation tensors read and written, call(x, residual)) as the integration makes them."""
+    shift, scale, gate, context_shift, context_scale, _ = torch.randn(1, 6, HIDDEN, device="cuda").chunk(6, dim=1)
+    weight, bias = (torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    zero = torch.zeros((), device="cuda")
+    return [
+        ("norm1: LayerNorm, float32 [1, 1, D] scale/shift", 2,
+         lambda x, residual: ditops.norm_scale_shift(x, scale, shift)),
+        ("q/k RMSNorm: bf16 weight, 0-dim zero scale/shift", 2,
+         lambda x, residual: ditops.norm_scale_shift(x, zero.bfloat16(), zero.bfloat16(), weight=weight, norm="rms")),
+        ("norm2: residual + float32 gate, float32 0-dim zeros, bf16 weight/bias", 4,
+         lambda x, residual: ditops.residual_norm_scale_shift(x, residual, gate, zero, zero, weight=weight, bias=bias)),
+        ("norm3: residual (no gate), float32 [1, 1, D] scale/shift", 4,
+         lambda x, residual: ditops.residual_norm_scale_shift(x, residual, None, context_scale, context_shift)),
+    ]
+
+
+def main() -> None:
+    copy_gbps = max(timing.copy_bandwidth("cuda").values())
+    activation_bytes = TOKENS * HIDDEN * 2
+    sets = timing.rotation_sets(2 * activation_bytes, torch.cuda.get_device_properties(0).L2_cache_size)
+    inputs = [(torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16),
+               torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)) for _ in range(sets)]
+    print(f"{torch.cuda.get_device_name()}, copy {copy_gbps:.0f} GB/s")
+    for what, tensors, call in wan_calls():
+        result = timing.cuda_graph([lambda x=x, residual=residual: call(x, residual) for x, residual in inputs])
+        percent = 100 * tensors * activation_bytes / (result.us * 1e3) / copy_gbps
+        print(f"{what:72s} {result.us:8.1f} us {percent:5.1f}% of copy")
+
+
+if __name__ == "__main__":
+    main()

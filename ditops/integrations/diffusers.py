@@ -525,10 +525,15 @@ def _z_image_supported(block) -> bool:
                for norm in norms)
 
 
-def _patch_z_image(model, patches: list, report: Report) -> None:
+def _z_image_attention_supported(attn) -> bool:
     from diffusers.models.normalization import RMSNorm
     from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 
+    return type(attn.processor) is ZSingleStreamAttnProcessor and all(
+        type(norm) is RMSNorm and norm.weight is not None for norm in (attn.norm_q, attn.norm_k))
+
+
+def _patch_z_image(model, patches: list, report: Report) -> None:
     for group in ("noise_refiner", "context_refiner", "layers"):
         for index, block in enumerate(getattr(model, group)):
             path = f"{group}.{index}"
@@ -539,11 +544,8 @@ def _patch_z_image(model, patches: list, report: Report) -> None:
                                     (f"{path}.ffn_norm2", "add_gate_norm")]
             elif block.modulation:
                 report.skipped.append(f"{path}: norms of another type, with bias or other eps")
-            attention = block.attention
-            supported = type(attention.processor) is ZSingleStreamAttnProcessor and all(
-                type(norm) is RMSNorm and norm.weight is not None for norm in (attention.norm_q, attention.norm_k))
-            _replace_processor(attention, f"{path}.attention", supported, ZImageQKNormRopeProcessor, "qk_norm_rope_",
-                               patches, report)
+            _replace_processor(block.attention, f"{path}.attention", _z_image_attention_supported(block.attention),
+                               ZImageQKNormRopeProcessor, "qk_norm_rope_", patches, report)
 
 
 _PATCHERS = {"FluxTransformer2DModel": _patch_flux, "WanTransformer3DModel": _patch_wan,
