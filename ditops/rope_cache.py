@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Optional, Sequence, Union
 
 import torch
@@ -27,7 +29,15 @@ def rope_cos_sin_cache(
     Pair j of an axis with d dims turns by ``position * theta ** (-2j / d)``. Angles are
     computed in float64, then rounded once to ``dtype``.
     """
-    if isinstance(positions, int):
+    if not isinstance(positions, Tensor):
+        # Any integer (numpy's too) counts; bool is an int to Python but never a count, and a
+        # float (2.5) or a list is a mistake worth naming.
+        if isinstance(positions, bool) or not isinstance(positions, numbers.Integral):
+            raise ValueError(
+                f"rope_cos_sin_cache: positions is a {type(positions).__name__}; "
+                "wanted an int count P >= 0 or a tensor [N] or [N, A]"
+            )
+        positions = int(positions)
         if positions < 0:
             raise ValueError(f"rope_cos_sin_cache: positions is {positions}; wanted a count P >= 0 or a tensor [N] or [N, A]")
         positions = torch.arange(positions, device=device)
@@ -46,7 +56,7 @@ def rope_cos_sin_cache(
         if not axis_theta > 0:
             raise ValueError(f"rope_cos_sin_cache: theta {theta!r} has an entry {axis_theta}; wanted values > 0")
     for dims in axes_dims:
-        if dims <= 0 or dims % 2:
+        if isinstance(dims, bool) or not isinstance(dims, numbers.Integral) or dims <= 0 or dims % 2:
             raise ValueError(f"rope_cos_sin_cache: rotary_dim {rotary_dim!r} has an entry {dims}; wanted even sizes > 0")
     angles = []
     for axis, (dims, axis_theta) in enumerate(zip(axes_dims, thetas)):
