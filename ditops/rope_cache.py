@@ -43,7 +43,7 @@ def rope_cos_sin_cache(
         positions = torch.arange(positions, device=device)
     if positions.dim() == 1:
         positions = positions[:, None]
-    axes_dims = [rotary_dim] if isinstance(rotary_dim, int) else list(rotary_dim)
+    axes_dims = list(rotary_dim) if isinstance(rotary_dim, (list, tuple)) else [rotary_dim]
     thetas = [float(theta)] * len(axes_dims) if isinstance(theta, (int, float)) else [float(t) for t in theta]
     if positions.dim() != 2 or positions.shape[1] != len(axes_dims) or len(thetas) != len(axes_dims):
         raise ValueError(
