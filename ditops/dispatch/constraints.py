@@ -7,6 +7,7 @@ kind of constraint means adding one function here and using its key in the YAML.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Callable, Optional
 
 import torch
@@ -148,24 +149,93 @@ CHECKS: dict = {
     )
 }
 
+# What each constraint's YAML value must be: (what a message says is wanted, the test).
+# Checked when a config loads, so that a typo fails there, naming the file and the field,
+# instead of at a call (or never: `devices: cuda` would test substrings of "cuda").
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is not a size
+
+
+def _positive(value) -> bool:
+    return _integer(value) and value > 0
+
+
+def _non_negative(value) -> bool:
+    return _integer(value) and value >= 0
+
+
+def _list_of(test: Callable) -> Callable:
+    return lambda value: isinstance(value, list) and all(test(item) for item in value)
+
+
+def _names_from(*names: str) -> Callable:
+    return _list_of(lambda item: isinstance(item, str) and item in names)
+
+
+def _is_torch_dtype_name(name) -> bool:
+    return isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+_BOOLEAN = ("true or false", lambda value: isinstance(value, bool))
+_POSITIVE = ("an integer > 0", _positive)
+_SIZE = ("an integer >= 0", _non_negative)
+_DTYPES = ("a list of torch dtype names (e.g. [float16, bfloat16])", _list_of(_is_torch_dtype_name))
+
+VALUE_TYPES: dict = {
+    "devices": ("a list of device vendors among cuda, rocm, cpu", _names_from("cuda", "rocm", "cpu")),
+    "min_sm": ("an integer >= 0 (e.g. 80 for sm_80)", _non_negative),
+    "archs": ("a list of AMD arch names (e.g. [gfx90a, gfx942])",
+              _list_of(lambda item: isinstance(item, str) and item.startswith("gfx") and item[3:].isalnum())),
+    "dtypes": _DTYPES,
+    "param_dtypes": _DTYPES,
+    "uniform_param_dtype": _BOOLEAN,
+    "alignment": ("an integer > 0 (bytes)", _positive),
+    "unit_stride": _BOOLEAN,
+    "hidden_multiple_of": _POSITIVE,
+    "min_hidden_size": _SIZE,
+    "max_hidden_size": _SIZE,
+    "head_sizes": ("a list of integers > 0", _list_of(_positive)),
+    "head_size_multiple_of": _POSITIVE,
+    "rotary_dim_multiple_of": _POSITIVE,
+    "max_head_size": _SIZE,
+    "full_rotary": _BOOLEAN,
+    "norms": ("a list of norms among layer, rms", _names_from("layer", "rms")),
+    "modulation": ("a list of modulation forms among scalar, vector, batch, token, frame",
+                   _names_from("scalar", "vector", "batch", "token", "frame")),
+    "layouts": ("a list of RoPE layouts among interleaved, neox", _names_from("interleaved", "neox")),
+    "autograd": _BOOLEAN,
+}
+assert set(VALUE_TYPES) == set(CHECKS), "every check needs its value type"
+
 DTYPE_CONSTRAINTS = ("dtypes", "param_dtypes")
 
 
+def shown(value, limit: int = 60) -> str:
+    """A short repr of a config value for a message: never the whole of a big field."""
+    return _SHORT_REPR.repr(value)[:limit]
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 2, 4, 4, 40, 40
+
+
 def compile_constraints(constraints: dict, where: str) -> list:
-    """Turns YAML constraints into (check, wanted) pairs, rejecting unknown keys and dtype names."""
+    """Turns YAML constraints into (check, wanted) pairs, rejecting unknown keys and values of
+    the wrong type (``where`` names the file and field in the message)."""
     compiled = []
     for key, wanted in constraints.items():
-        check: Callable = CHECKS.get(key)
+        check: Callable = CHECKS.get(key) if isinstance(key, str) else None
         if check is None:
-            raise ValueError(f"{where}: unknown constraint {key!r}; known: {', '.join(CHECKS)}")
+            raise ValueError(f"{where}: unknown constraint {shown(key)}; known: {', '.join(CHECKS)}")
+        description, valid = VALUE_TYPES[key]
+        if not valid(wanted):
+            if key in DTYPE_CONSTRAINTS and isinstance(wanted, list):
+                bad = next(name for name in wanted if not _is_torch_dtype_name(name))
+                raise ValueError(f"{where}: constraint {key}: {shown(bad)} is not a torch dtype")
+            raise ValueError(f"{where}: constraint {key}: got {shown(wanted)}, wanted {description}")
         if key in DTYPE_CONSTRAINTS:
-            wanted = [_dtype(name, where) for name in wanted]
+            wanted = [getattr(torch, name) for name in wanted]
         compiled.append((check, wanted))
     return compiled
-
-
-def _dtype(name: str, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}: {name!r} is not a torch dtype")
-    return dtype

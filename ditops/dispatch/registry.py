@@ -19,6 +19,21 @@ and implementations, reorder them and disable them:
     disable: [cuda, rope_=triton]  # never pick these (everywhere, or for one op)
 
 Implementations not named keep their registry order behind the named ones.
+
+**A config file runs code**: each backend's ``module`` is imported (and its ``available``
+function called) with the rights of the process, like ``import`` in a script. Load only
+config files you would run as code. The file is checked before anything of it is used:
+
+- every field's type, every op and backend name (in ``ops``, ``prefer``, ``disable``),
+  every constraint's name and value type: a typo raises ``ValueError`` naming the file and
+  the field, never drops the user's intent silently;
+- a backend defined by a user file is imported when the file loads: a module that cannot be
+  imported, or that lacks the functions its implementations name (``module: os`` is not a
+  ditops backend), is refused by name; the built-in backends are imported on first use, and
+  one that cannot be imported there is only unavailable (e.g. no cuda-python on this machine);
+- a file is read only up to ``MAX_CONFIG_BYTES`` and its YAML aliases may expand to at most
+  ``MAX_CONFIG_NODES`` nodes (an alias bomb is refused at once; the built-in registry's
+  aliases expand to a few hundred); messages show short excerpts of a field, never all of it.
 """
 
 from __future__ import annotations
@@ -26,6 +41,8 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import inspect
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -33,10 +50,14 @@ from typing import Callable, Optional
 import yaml
 
 from . import constraints as constraint_checks
+from .constraints import shown
 from .device import DeviceInfo
 from .features import Features
 
 BUILTIN_REGISTRY = Path(__file__).resolve().parent.parent / "configs" / "registry.yaml"
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_NODES = 100_000
 
 OPS = (
     "norm_scale_shift",
@@ -49,14 +70,19 @@ OPS = (
     "rope_",
 )
 
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+_BACKEND_KEYS = ("module", "description", "available", "constraints")
+
 
 def op_name(name: str) -> str:
     """Accepts an op's name with or without the trailing underscore of the in-place ops."""
-    if name in OPS:
-        return name
-    if name + "_" in OPS:
-        return name + "_"
-    raise ValueError(f"unknown op {name!r}; the ops are {', '.join(OPS)}")
+    if isinstance(name, str):
+        if name in OPS:
+            return name
+        if name + "_" in OPS:
+            return name + "_"
+    raise ValueError(f"unknown op {shown(name)}; the ops are {', '.join(OPS)}")
 
 
 @dataclass
@@ -66,6 +92,7 @@ class Backend:
     description: str = ""
     available: Optional[str] = None
     constraints: dict = field(default_factory=dict)
+    strict: bool = False  # defined by a user file: its module was imported and checked at load
     _refusals: dict = field(default_factory=dict, repr=False)
 
     def refusal(self, device: DeviceInfo) -> Optional[str]:
@@ -78,10 +105,17 @@ class Backend:
         try:
             module = importlib.import_module(self.module)
         except Exception as error:  # any import failure means "not available here", with its reason
-            return f"cannot import {self.module}: {type(error).__name__}: {error}"
+            return f"cannot import {self.module}: {type(error).__name__}: {str(error)[:300]}"
         if self.available is None:
             return None
-        return getattr(module, self.available)(device)
+        check = f"{self.module}.{self.available}"
+        try:
+            reason = getattr(module, self.available)(device)
+        except Exception as error:  # a broken check makes the backend unavailable, with the reason shown
+            return f"its availability check {check} raised {type(error).__name__}: {str(error)[:300]}"
+        if reason is not None and not isinstance(reason, str):
+            return f"its availability check {check} returned {shown(reason)}; wanted None or a reason string"
+        return reason
 
 
 @dataclass
@@ -119,50 +153,99 @@ class Registry:
         self.sources: list = []
 
     def load(self, path) -> None:
-        """Merges one YAML file (format in the module docstring)."""
+        """Merges one YAML file (format in the module docstring); a bad one raises ValueError."""
         path = Path(path)
-        try:
-            document = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
-            raise ValueError(f"cannot read ditops config {path}: {error}") from error
-        self.merge(document, str(path))
+        self.merge(read_config(path), str(path), trusted=path.resolve() == BUILTIN_REGISTRY)
 
-    def merge(self, document: dict, where: str) -> None:
-        unknown = set(document) - {"backends", "ops", "prefer", "disable"}
+    def merge(self, document, where: str, *, trusted: bool = False) -> None:
+        """Merges one parsed config; ``where`` names it in messages. Backends defined by an
+        untrusted (user) document are imported and checked now."""
+        document = {} if document is None else document
+        _expect(document, dict, where, "the document", "a mapping with keys backends, ops, prefer, disable")
+        unknown = [key for key in document if key not in ("backends", "ops", "prefer", "disable")]
         if unknown:
-            raise ValueError(f"{where}: unknown top-level keys {sorted(unknown)}; known: backends, ops, prefer, disable")
-        for name, spec in (document.get("backends") or {}).items():
-            spec = dict(spec)
-            extra = set(spec) - {"module", "description", "available", "constraints"}
-            if "module" not in spec or extra:
-                raise ValueError(f"{where}: backend {name!r} needs 'module' and may have description, available, constraints (got {sorted(spec)})")
-            self.backends[name] = Backend(name=name, **spec)
-        for name in document.get("prefer") or []:
+            raise ValueError(
+                f"{where}: unknown top-level keys [{', '.join(shown(key) for key in unknown[:4])}]; known: backends, ops, prefer, disable"
+            )
+        for name, spec in _field(document, "backends", dict, where).items():
+            self.backends[name] = _backend(name, spec, where, strict=not trusted)
+        for position, name in enumerate(_field(document, "prefer", list, where)):
+            self._known_backend(name, where, f"prefer[{position}]")
             for op in OPS:
                 self._prefer(op, [name], where, create=False)
-        for op, entries in (document.get("ops") or {}).items():
-            self._prefer(op_name(op), entries, where, create=True)
-        for item in document.get("disable") or []:
-            op, _, backend = item.rpartition("=")
-            self.disabled.add((op_name(op) if op else "*", backend))
+        for op, entries in _field(document, "ops", dict, where).items():
+            try:
+                op = op_name(op)
+            except ValueError as error:
+                raise ValueError(f"{where}: ops: {error}") from None
+            _expect(entries, list, where, f"ops.{op}", "a list of backend names or mappings with 'backend'")
+            self._prefer(op, entries, where, create=True)
+        for position, item in enumerate(_field(document, "disable", list, where)):
+            self._disable(item, where, f"disable[{position}]")
+        self._check_modules(where)
         self.sources.append(where)
+
+    def _known_backend(self, name, where: str, at: str) -> None:
+        if not isinstance(name, str) or name not in self.backends:
+            raise ValueError(f"{where}: {at}: backend {shown(name)} is not defined under 'backends'; known: {', '.join(self.backends)}")
+
+    def _disable(self, item, where: str, at: str) -> None:
+        _expect(item, str, where, at, "'backend' or 'op=backend'")
+        op, _, backend = item.rpartition("=")
+        try:
+            op = op_name(op) if op else "*"
+        except ValueError as error:
+            raise ValueError(f"{where}: {at}: {error}") from None
+        self._known_backend(backend, where, at)
+        self.disabled.add((op, backend))
 
     def _prefer(self, op: str, entries: list, where: str, create: bool) -> None:
         """Moves the named implementations of ``op`` to the front; ``create`` adds missing ones."""
         current = self.entries[op]
         front = []
-        for entry in entries:
+        for position, entry in enumerate(entries):
+            at = f"ops.{op}[{position}]"
             if isinstance(entry, str):
+                self._known_backend(entry, where, at)
                 found = [item for item in current if item[0] == entry]
                 if not found and create:
                     found = [(entry, {"backend": entry})]
                 front += found
             elif isinstance(entry, dict) and "backend" in entry:
+                self._known_backend(entry["backend"], where, at)
+                if "function" in entry:
+                    _expect_identifier(entry["function"], where, f"{at}.function")
+                constraints = {key: value for key, value in entry.items() if key not in ("backend", "function")}
+                constraint_checks.compile_constraints(constraints, f"{where}: {at}")
                 front.append((entry["backend"], entry))
             else:
-                raise ValueError(f"{where}: op {op}: entry {entry!r} is neither a backend name nor a mapping with 'backend'")
+                raise ValueError(f"{where}: {at}: got {shown(entry)}, wanted a backend name or a mapping with 'backend'")
         named = {name for name, _ in front}
         self.entries[op] = front + [item for item in current if item[0] not in named]
+
+    def _check_modules(self, where: str) -> None:
+        """Each user-defined backend's module defines what the registry will call: its
+        ``available`` function (taking the DeviceInfo) and the function of every
+        implementation that names it; one that no implementation names yet must define at
+        least one op, or it is not a ditops backend."""
+        for backend in self.backends.values():
+            if not backend.strict:
+                continue
+            at = f"{where}: backend {backend.name!r} (module {backend.module})"
+            module = _import(backend.module, at)
+            if backend.available is not None:
+                function = getattr(module, backend.available, None)
+                if not callable(function) or not _takes_one_argument(function):
+                    raise ValueError(
+                        f"{at}: available: {backend.module}.{backend.available} must be a function of the DeviceInfo "
+                        "returning None or a reason string; the module lacks it or it takes other arguments"
+                    )
+            named = [(op, entry.get("function", op)) for op in OPS for name, entry in self.entries[op] if name == backend.name]
+            for op, function_name in named:
+                if not callable(getattr(module, function_name, None)):
+                    raise ValueError(f"{at}: ops.{op}: the module has no function {function_name!r}; a ditops backend defines one per op it serves")
+            if not named and not any(callable(getattr(module, op, None)) for op in OPS):
+                raise ValueError(f"{at}: the module is not a ditops backend: it defines none of the ops ({', '.join(OPS)})")
 
     def implementations(self, op: str) -> list:
         """The enabled implementations of ``op``, best first."""
@@ -180,3 +263,133 @@ class Registry:
             checks = constraint_checks.compile_constraints(merged, where)
             result.append(Implementation(op, backend, entry.get("function", op), checks))
         return result
+
+
+def read_config(path: Path):
+    """The parsed YAML of a config file, refusing files too big, or whose aliases expand too far,
+    before anything walks the document."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise ValueError(f"cannot read ditops config {path}: {error}") from error
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"cannot read ditops config {path}: it is larger than {MAX_CONFIG_BYTES} bytes")
+    loader = yaml.SafeLoader(data)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, MAX_CONFIG_NODES)
+        if size > MAX_CONFIG_NODES:
+            raise ValueError(
+                f"cannot read ditops config {path}: its aliases expand to more than {MAX_CONFIG_NODES} YAML nodes "
+                "(an alias bomb?); a ditops config needs a few hundred"
+            )
+        return loader.construct_document(node)
+    except yaml.YAMLError as error:
+        raise ValueError(f"cannot read ditops config {path}: {str(error)[:400]}") from None
+    except RecursionError:
+        raise ValueError(f"cannot read ditops config {path}: it is nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(root, limit: int) -> int:
+    """How many nodes the YAML graph under ``root`` has once every alias is expanded; stops
+    early past ``limit``. Each distinct node is visited once (its size is remembered), so a
+    bomb of 9^10 expanded nodes costs a hundred steps."""
+    sizes: dict = {}
+    active: set = set()  # nodes whose children are being sized: meeting one again is a cycle
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        children = _children(node)
+        if children_done:
+            active.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in children)
+            if sizes[key] > limit:
+                return sizes[key]
+            continue
+        if key in sizes:
+            continue
+        if key in active:  # a node that contains itself expands without end
+            return limit + 1
+        active.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in sizes)
+    return sizes[id(root)]
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [item for pair in node.value for item in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    return []
+
+
+_TYPE_NAMES = {dict: "a mapping", list: "a list", str: "a string"}
+
+
+def _expect(value, wanted: type, where: str, at: str, description: str) -> None:
+    if not isinstance(value, wanted):
+        got = "null" if value is None else f"{type(value).__name__} {shown(value)}"
+        raise ValueError(f"{where}: {at}: got {got}, wanted {description}")
+
+
+def _field(document: dict, key: str, wanted: type, where: str):
+    """A top-level field, of its type (absent or null: empty); mapping keys must be names."""
+    value = document.get(key)
+    if value is None:
+        return wanted()
+    _expect(value, wanted, where, key, _TYPE_NAMES[wanted])
+    if wanted is dict:
+        for name in value:
+            if key == "backends":
+                _expect_identifier(name, where, f"backends: the name {shown(name)}")
+            else:
+                _expect(name, str, where, f"{key}: the key {shown(name)}", "a string")
+    return value
+
+
+def _expect_identifier(name, where: str, at: str) -> None:
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise ValueError(f"{where}: {at}: got {shown(name)}, wanted a name of letters, digits and _ (at most 64)")
+
+
+def _backend(name: str, spec, where: str, strict: bool) -> Backend:
+    at = f"backends.{name}"
+    if not isinstance(spec, dict) or "module" not in spec or any(key not in _BACKEND_KEYS for key in spec):
+        keys = sorted(shown(key) for key in spec) if isinstance(spec, dict) else shown(spec)
+        raise ValueError(f"{where}: backend {name!r} needs 'module' and may have description, available, constraints (got {keys})")
+    module = spec["module"]
+    if not isinstance(module, str) or not _MODULE.match(module):
+        raise ValueError(f"{where}: {at}.module: got {shown(module)}, wanted a dotted Python module name (my_package.kernels)")
+    description = spec.get("description", "")
+    _expect(description, str, where, f"{at}.description", "a string")
+    available = spec.get("available")
+    if available is not None:
+        _expect_identifier(available, where, f"{at}.available")
+    constraints = spec.get("constraints") or {}
+    _expect(constraints, dict, where, f"{at}.constraints", "a mapping of constraint names to values")
+    constraint_checks.compile_constraints(constraints, f"{where}: {at}.constraints")
+    return Backend(name, module, description, available, constraints, strict=strict)
+
+
+def _import(module: str, at: str):
+    try:
+        return importlib.import_module(module)
+    except Exception as error:  # whatever the module raises while importing, named with it
+        raise ValueError(f"{at}: cannot import {module}: {type(error).__name__}: {str(error)[:300]}") from None
+
+
+def _takes_one_argument(function: Callable) -> bool:
+    try:
+        inspect.signature(function).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): let the call decide
+        pass
+    return True
