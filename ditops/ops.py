@@ -1,12 +1,27 @@
-"""The public ops (OPS.md): validate -> allocate outputs -> dispatch -> call.
+"""The public ops (OPS.md) and their call path, top to bottom: signature -> plan -> launch.
 
-Each op is an ``Op``: a check (validation, then the call's dispatch features), an
-output allocator, and a torch.library registration. In eager mode a call runs
-``Op.run`` directly, which costs a few microseconds; under torch.compile the public
-functions call the registered op instead, whose fake implementation is the same check
-and allocator, so the compiled graph keeps each op as one node. The registration is a
-plain ``torch.library.Library`` definition with one CompositeExplicitAutograd kernel,
-not ``torch.library.custom_op``, whose Python wrappers cost ~15 us more per call.
+An eager call of an op:
+1. computes its **call signature** (dispatch/selector.py: every tensor's shape, strides,
+   dtype, device, 16-byte alignment class and requires_grad, the other arguments, grad mode
+   and the backend override in force);
+2. looks up the **plan** built for that signature on its first call: validation passed,
+   the implementation chosen (registry, overrides), and a launcher fixed. Where the backend
+   can pre-bind (Triton on NVIDIA: its compiled kernel's C launcher with the kernel's
+   arguments laid out once, see backends/triton/kernel_launch.py; the CUDA backend: its
+   parameter buffer packed once, backends/compiled.py), later calls skip Triton's own
+   per-call argument specialization as well as ditops' validation and selection;
+3. runs the checks that read values or data pointers (positions within the cache, in-place
+   arguments that share memory): cheap, every call, before anything is written;
+4. allocates the outputs and launches on the tensors' device and its current stream.
+Everything a plan assumes is in its key, so a call that would fail validation never finds
+a plan: it builds one, and fails there. The plan table is bounded and shared by threads.
+
+Under torch.compile the public functions emit graph nodes instead (``Op.__call__``): where
+the Triton backend serves a functional op, a ``torch.library.triton_op`` whose body hands
+the Triton kernel to Inductor (``wrap_triton``), which launches it from its own generated
+code; otherwise the plain ``torch.library`` op (``(a!)`` marks what the in-place ops
+write), whose kernel is the eager path above. The backend and launch settings of the
+Triton node are chosen at trace time from the tensors' metadata (see ``traceable``).
 
 Backends are called as ``function(*op_arguments, *outputs)``: the op's arguments in the
 order of its signature, then the new output tensors to write (none for in-place ops).
@@ -14,9 +29,11 @@ order of its signature, then the new output tensors to write (none for in-place 
 
 from __future__ import annotations
 
+import collections
 import inspect
+import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -24,13 +41,51 @@ from torch import Tensor
 from . import validation
 from .backends import reference
 from .dispatch import Features, describe
-from .dispatch.selector import candidates, choose, format_table, resolve
+from .dispatch.registry import Implementation
+from .dispatch.selector import call_signature, candidates, choose, dispatcher, format_table, select
 
 _is_compiling = torch.compiler.is_compiling
+_current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
+
+MAX_PLANS = 4096  # distinct call signatures kept; the oldest is dropped past this
 
 
 def _new(x: Tensor) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+class Plan(NamedTuple):
+    """What every call with one call signature runs: its implementation (None for an empty
+    input: nothing to launch) and ``launch(arguments + outputs)``."""
+
+    implementation: Optional[Implementation]
+    launch: Callable[[tuple], None]
+
+
+def _nothing(values: tuple) -> None:
+    pass
+
+
+def _launcher(implementation: Implementation, values: tuple, device_index: int) -> Callable[[tuple], None]:
+    """The launch of a plan: pre-bound where the backend can (``function.bind``), else the
+    backend function. On a GPU it runs on the tensors' device whatever device is current
+    (the stream is that device's current one: the backends read it at launch)."""
+    function = implementation.function
+    bind = getattr(function, "bind", None)
+    call = bind(values, device_index) if device_index >= 0 and bind is not None else None
+    if call is None:
+        call = lambda values: function(*values)  # noqa: E731
+    if device_index < 0:
+        return call
+
+    def on_device(values: tuple) -> None:
+        if _current_device() == device_index:
+            call(values)
+        else:
+            with torch.cuda.device(device_index):
+                call(values)
+
+    return on_device
 
 
 @dataclass(frozen=True)
@@ -39,25 +94,71 @@ class Op:
     check: Callable  # (*arguments, describe_call=True) -> Features, or None for an empty input
     outputs: Callable  # (*arguments) -> tuple of new tensors for the backend to fill
     schema: str  # torch.library schema, (a!) marking what is written in place; its last argument is the backend override
-    check_values: Optional[Callable] = None  # (*arguments): checks that read tensor values, run on every call
+    check_values: Optional[Callable] = None  # (*arguments): checks that read values or pointers, run on every call
+
+    @property
+    def in_place(self) -> bool:
+        return "!)" in self.schema
+
+    def plan(self, arguments: tuple, backend: Optional[str]) -> Plan:
+        state = dispatcher()
+        key = call_signature(self.name, arguments, backend)
+        try:
+            plan = state.plans.get(key)
+        except TypeError:  # an unhashable argument: validation below names it
+            key, plan = None, None
+        if plan is None:
+            plan = self._build_plan(arguments, backend)
+            if key is not None:
+                with state.plans_lock:
+                    while len(state.plans) >= MAX_PLANS:
+                        state.plans.popitem(last=False)
+                    state.plans[key] = plan
+        return plan
+
+    def _build_plan(self, arguments: tuple, backend: Optional[str]) -> Plan:
+        features = self.check(*arguments)  # raises ValueError on bad input
+        if features is None:
+            return Plan(None, _nothing)
+        implementation = select(self.name, features, backend)
+        if self.check_values is not None:  # the plan's launcher may run a first call: check it first
+            self.check_values(*arguments)
+        values = arguments + self.outputs(*arguments)
+        device_index = values[0].get_device()
+        return Plan(implementation, _launcher(implementation, values, device_index))
 
     def run(self, arguments: tuple, backend: Optional[str]) -> tuple:
         """The eager path: what the registered op does too."""
-        implementation = resolve(self.name, arguments, backend, self.check)
+        plan = self.plan(arguments, backend)
         if self.check_values is not None:
             self.check_values(*arguments)
         outputs = self.outputs(*arguments)
-        if implementation is not None:
-            implementation.function(*arguments, *outputs)
+        plan.launch(arguments + outputs)
         return outputs
 
     def __call__(self, arguments: tuple, backend: Optional[str]) -> tuple:
-        if _is_compiling():
-            if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in arguments):
-                return self.traced_reference(arguments)
+        if not _is_compiling():
+            return self.run(arguments, backend)
+        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in arguments):
+            return self.traced_reference(arguments)
+        if self.traceable(arguments, backend):
+            result = getattr(torch.ops.ditops, self.name + "_triton")(*arguments)
+        else:
             result = getattr(torch.ops.ditops, self.name)(*arguments, backend)
-            return (result,) if isinstance(result, Tensor) else tuple(result or ())
-        return self.run(arguments, backend)
+        return (result,) if isinstance(result, Tensor) else tuple(result or ())
+
+    def traceable(self, arguments: tuple, backend: Optional[str]) -> bool:
+        """Whether a compiled graph gets this call as a Triton kernel that Inductor launches:
+        a functional op (in-place ones stay ``(a!)`` library ops, see docs/call-path.md) on a
+        GPU, for which the dispatcher, given the tensors' metadata, chooses a backend whose
+        function can ``trace``. Alignment is read from storage offsets and strides: the
+        buffers Inductor allocates and the inputs it assumes aligned are 16-byte aligned."""
+        if self.in_place or not arguments[0].is_cuda:
+            return False
+        features = self.check(*arguments)
+        if features is None or not features.device.is_gpu:
+            return False
+        return getattr(choose(self.name, features, backend).function, "trace", None) is not None
 
     def traced_reference(self, arguments: tuple) -> tuple:
         """Under torch.compile with inputs that require grad: the reference math, traced into
@@ -81,6 +182,42 @@ class Op:
         _LIBRARY.define(self.name + self.schema)
         _LIBRARY.impl(self.name, real, "CompositeExplicitAutograd")
         torch.library.register_fake(f"ditops::{self.name}", fake, lib=_LIBRARY)
+        if not self.in_place:  # the functional ops: a Triton node for Inductor too
+            self._register_triton()
+
+    def _register_triton(self) -> None:
+        """``ditops::<op>_triton``: the op's Triton kernel as Inductor sees it (the schema
+        without the backend override: the backend is fixed when the graph is traced)."""
+
+        def body(*arguments):
+            outputs = self.outputs(*arguments)
+            features = self.check(*arguments)
+            choose(self.name, features, "triton").function.trace(*arguments, *outputs)
+            return outputs[0] if len(outputs) == 1 else outputs
+
+        schema = torch._C.parse_schema(self.name + self.schema)
+        body.__signature__ = _python_signature(schema, drop_last=1)  # triton_op reads its schema from this
+        torch.library.triton_op(f"ditops::{self.name}_triton", body, mutates_args=())
+
+
+_PYTHON_TYPES = {"Tensor": Tensor, "str": str, "float": float, "bool": bool, "SymInt": int, "int": int}
+
+
+def _python_signature(schema, drop_last: int) -> inspect.Signature:
+    """The annotated Python signature of a torch.library schema, without its last arguments."""
+
+    def annotation(type_text: str):
+        optional = type_text.startswith("Optional[")
+        python_type = _PYTHON_TYPES[type_text.removeprefix("Optional[").removesuffix("]")]
+        return Optional[python_type] if optional else python_type
+
+    parameters = [
+        inspect.Parameter(argument.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation(str(argument.type)))
+        for argument in schema.arguments[: len(schema.arguments) - drop_last]
+    ]
+    returns = [Tensor] * len(schema.returns)
+    return_annotation = returns[0] if len(returns) == 1 else tuple.__class_getitem__(tuple(returns))
+    return inspect.Signature(parameters, return_annotation=return_annotation)
 
 
 _LIBRARY = torch.library.Library("ditops", "DEF")
@@ -238,10 +375,13 @@ def _check_rope(
 
 def _qk_norm_rope_values(q, k, q_weight, k_weight, cos_sin_cache, positions, *_):
     validation.position_values("qk_norm_rope_", positions, cos_sin_cache)
+    read = dict(q_weight=q_weight, k_weight=k_weight, cos_sin_cache=cos_sin_cache, positions=positions)
+    validation.in_place_aliasing("qk_norm_rope_", q, k, read)
 
 
 def _rope_values(q, k, cos_sin_cache, positions, *_):
     validation.position_values("rope_", positions, cos_sin_cache)
+    validation.in_place_aliasing("rope_", q, k, dict(cos_sin_cache=cos_sin_cache, positions=positions))
 
 
 def _one_like_x(x, *_):
@@ -480,6 +620,8 @@ def ordered_arguments(op: str, *args, **kwargs) -> tuple:
 
 def explain(op: str, *args, **kwargs) -> "Explanation":
     """Which implementation ``ditops.<op>(*args, **kwargs)`` would run, and why each other one refused."""
+    if op not in OPS:
+        raise ValueError(f"explain: op is {op!r}; wanted one of {', '.join(OPS)}")
     arguments, backend = ordered_arguments(op, *args, **kwargs)
     features = OPS[op].check(*arguments)
     if features is None:

@@ -64,7 +64,7 @@ def choice(op: str, name: str, value, allowed) -> None:
 
 
 def eps(op: str, value) -> None:
-    if not isinstance(value, (float, int)) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, (float, int)) or not value >= 0:
         fail(op, "eps", f"is {value!r}", "a number >= 0")
 
 
@@ -180,17 +180,31 @@ def _heads(op: str, name: str, t, device: Optional[torch.device]) -> None:
             fail(op, name, f"is expanded (stride 0) along dimension {dim}", "a tensor that can be written in place")
 
 
+def _written_once(op: str, name: str, t: torch.Tensor) -> None:
+    """An in-place argument must not hold one memory location twice (an expanded or
+    overlapping view). Sufficient test on metadata: with its dimensions ordered by stride,
+    each stride passes the last element the smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
+        if stride <= reach:
+            fail(op, name, f"has strides {list(t.stride())} for shape {_shape(t)}, which alias some of its elements",
+                 "a tensor whose elements are distinct memory (not expanded)")
+        reach += (size - 1) * stride
+
+
 def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved) -> HeadShape:
     """Checks the arguments shared by the RoPE ops (OPS.md, "RoPE details").
 
     Reads no tensor values (see ``position_values``), so its verdict depends on metadata alone.
     """
     _heads(op, "q", q, None)
+    _written_once(op, "q", q)
     device = q.device
     leading = tuple(q.shape[:-2])
     head_size = q.shape[-1]
     if k is not None:
         _heads(op, "k", k, device)
+        _written_once(op, "k", k)
         same_dtype(op, "k", k, "q", q)
         if tuple(k.shape[:-2]) != leading or k.shape[-1] != head_size:
             fail(op, "k", f"has shape {_shape(k)}", f"[{', '.join(map(str, leading))}, Hk, {head_size}] (q's leading dims and Dh)")
@@ -240,6 +254,50 @@ def position_values(op: str, positions, cos_sin_cache) -> None:
         rows = cos_sin_cache.shape[0]
         if low < 0 or high >= rows:
             fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {rows}) (rows of cos_sin_cache)")
+
+
+def _byte_range(t: torch.Tensor) -> tuple:
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _disjoint_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """q and k as the head blocks of one fused buffer (FLUX's [T, 3, H, Dh] qkv, say): equal
+    token (and batch) strides, and k's heads after or before q's within every token row."""
+    if q.stride()[:-2] != k.stride()[:-2] or q.element_size() != k.element_size():
+        return False
+    token_stride = q.stride(-3)
+    if q.dim() == 4 and q.shape[0] > 1 and q.stride(0) % token_stride:
+        return False
+    offset = (k.data_ptr() - q.data_ptr()) // q.element_size()
+    q_span, k_span = q.shape[-2] * q.shape[-1], k.shape[-2] * k.shape[-1]
+    if offset >= 0:
+        return offset >= q_span and offset + k_span <= token_stride
+    return -offset >= k_span and -offset + q_span <= token_stride
+
+
+def in_place_aliasing(op: str, q: torch.Tensor, k: Optional[torch.Tensor], read: dict) -> None:
+    """What an in-place op writes (q, k) must not share memory with the other one or with
+    anything it reads: the kernels read each head once and write it back, so a shared
+    location would be read after it was written (``rope_(q, q, ...)`` would rotate twice).
+    Reads data pointers, not values: runs on every call, before anything is written."""
+    if not q.numel():
+        return
+    q_range = _byte_range(q)
+    written = [("q", q, q_range)]
+    if k is not None and k.numel():
+        k_range = _byte_range(k)
+        if q_range[0] < k_range[1] and k_range[0] < q_range[1] and not _disjoint_heads(q, k):
+            fail(op, "k", "shares memory with q", "a tensor disjoint from q (q and k are both written)")
+        written.append(("k", k, k_range))
+    for name, t in read.items():
+        if t is None or not t.numel():
+            continue
+        start, end = _byte_range(t)
+        for written_name, _, (written_start, written_end) in written:
+            if start < written_end and written_start < end:
+                fail(op, name, f"shares memory with {written_name}", f"a tensor disjoint from {written_name}, which this op writes")
 
 
 def debug_checks() -> bool:

@@ -46,6 +46,7 @@ def describe(
     address_bits = 0  # OR of every data pointer and stride in bytes: its lowest set bit is their alignment
     unit_stride = True
     grad_enabled = torch.is_grad_enabled()
+    tracing = torch.compiler.is_compiling()
     requires_grad = False
     param_dtypes = []
     first_param = len(activations)
@@ -53,7 +54,8 @@ def describe(
         if t is None:
             continue
         strides = t.stride()
-        address_bits |= t.data_ptr()
+        # Traced by torch.compile there is no data pointer: storages are taken as aligned
+        address_bits |= t.storage_offset() * t.element_size() if tracing else t.data_ptr()
         if len(strides) > 1:
             element_size = t.element_size()
             for stride in strides[:-1]:

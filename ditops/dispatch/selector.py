@@ -10,6 +10,7 @@ the registry (after user YAML) that accepts is taken.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -54,7 +55,8 @@ class _Dispatcher:
         self.registry = registry
         self.implementations = {op: registry.implementations(op) for op in OPS}
         self.env_forced = parse_backend_setting(os.environ.get("DITOPS_BACKEND", ""), "DITOPS_BACKEND")
-        self.calls: dict = {}  # call_signature -> Implementation (see resolve)
+        self.plans = collections.OrderedDict()  # call_signature -> ditops.ops.Plan, oldest first
+        self.plans_lock = threading.Lock()  # taken to add a plan, not to read one
         self.warned: set = set()
 
 
@@ -141,9 +143,6 @@ def candidates(op: str, features: Features) -> list:
     return [Candidate(impl.name, impl.refusal(features)) for impl in dispatcher().implementations[op]]
 
 
-_MISSING = object()
-
-
 def call_signature(op: str, arguments: tuple, backend: Optional[str]) -> tuple:
     """Everything validation and the constraints read from a call: each tensor's shape,
     strides, dtype, device, pointer alignment and requires_grad, the other arguments (with
@@ -159,27 +158,6 @@ def call_signature(op: str, arguments: tuple, backend: Optional[str]) -> tuple:
         else:
             parts.append((type(argument), argument))
     return tuple(parts)
-
-
-def resolve(op: str, arguments: tuple, backend: Optional[str], check: Callable) -> Optional[Implementation]:
-    """The implementation for a call, after validation; None for an empty input (nothing to run).
-
-    ``check(*arguments)`` validates (raising ValueError) and returns the call's Features.
-    Its verdict and the selection depend only on ``call_signature``, so both are cached per
-    signature: a repeated call costs the signature and one dictionary lookup.
-    """
-    state = _dispatcher or dispatcher()
-    key = call_signature(op, arguments, backend)
-    try:
-        implementation = state.calls.get(key, _MISSING)
-    except TypeError:  # an unhashable argument: validation will name it
-        key, implementation = None, _MISSING
-    if implementation is _MISSING:
-        features = check(*arguments)
-        implementation = None if features is None else select(op, features, backend)
-        if key is not None:
-            state.calls[key] = implementation
-    return implementation
 
 
 def select(op: str, features: Features, backend: Optional[str] = None) -> Implementation:

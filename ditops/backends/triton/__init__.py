@@ -1,9 +1,11 @@
 """The Triton backend: one portable kernel source per idea (this folder), for NVIDIA and AMD.
 
-Each function here is an op of OPS.md with the backend calling convention (the op's
-arguments, then the outputs to write); it only computes the launch arguments. Who may
-call it (devices, dtypes, sizes) is written in configs/registry.yaml. Math is float32;
-each output is rounded once when stored.
+Each op of OPS.md is a function ``<op>_launch`` with the backend calling convention (the
+op's arguments, then the outputs to write) that only computes its ``KernelLaunch``; the op
+function itself runs that launch, and carries the two other ways ops.py issues it
+(kernel_launch.py): ``bind`` (a pre-bound launcher for a call signature) and ``trace``
+(the launch handed to torch.compile). Who may call them (devices, dtypes, sizes) is written
+in configs/registry.yaml. Math is float32; each output is rounded once when stored.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Optional
 from ...dispatch.device import DeviceInfo
 from ..views import modulation, rows_of, tokens_of
 from .gated_add_norm import gated_add_norm_kernel
+from .kernel_launch import KernelLaunch, bind, run, trace
 from .launch import rotary_launch, row_launch, vendor_of
 from .modulated_norm import modulated_norm_kernel
 from .rotary import rotary_kernel
@@ -36,26 +39,25 @@ def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y,
     residual_rows = rows_of(residual) if residual is not None else shape
     launch = row_launch("modulated_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
-    modulated_norm_kernel[_grid(rows, launch.rows_per_program)](
+    return KernelLaunch(modulated_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
         residual, residual_rows.batch_stride, residual_rows.token_stride,
         *modulation(gate, shape.tokens), *modulation(scale, shape.tokens), *modulation(shift, shape.tokens),
         weight, bias, y, residual_out,
         rows, shape.tokens, shape.hidden, eps,
+    ), dict(
         RMS=norm == "rms", HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
-    )
+    ))
 
 
-def norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
-    _modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
-    return y
+def norm_scale_shift_launch(x, scale, shift, weight, bias, norm, eps, y):
+    return _modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
 
 
-def residual_norm_scale_shift(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
-    _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
-    return y, residual_out
+def residual_norm_scale_shift_launch(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+    return _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
 
 
 def _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out):
@@ -65,7 +67,7 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
     launch = row_launch("selected_modulation_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
     per_batch = [argument for t in modulations for argument in (t, t.stride(0) if t.shape[0] > 1 else 0)]
-    selected_modulation_norm_kernel[_grid(rows, launch.rows_per_program)](
+    return KernelLaunch(selected_modulation_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
         residual, residual_rows.batch_stride, residual_rows.token_stride,
         residual_gate, gate_rows.batch_stride, gate_rows.token_stride,
@@ -73,23 +75,22 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
         *per_batch,
         weight, bias, y, residual_out, gate_out,
         rows, shape.tokens, shape.hidden, eps,
+    ), dict(
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
-    )
+    ))
 
 
-def norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, y, gate_out):
+def norm_scale_shift_select_launch(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, y, gate_out):
     modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
-    _selected_modulation_norm(x, None, None, index, modulations, weight, bias, eps, y, None, gate_out)
-    return y, gate_out
+    return _selected_modulation_norm(x, None, None, index, modulations, weight, bias, eps, y, None, gate_out)
 
 
-def residual_norm_scale_shift_select(
+def residual_norm_scale_shift_select_launch(
     x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, y, residual_out, gate_out
 ):
     modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
-    _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out)
-    return y, residual_out, gate_out
+    return _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out)
 
 
 def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
@@ -97,27 +98,26 @@ def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, 
     branch_rows = rows_of(branch)
     launch = row_launch("gated_add_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
-    gated_add_norm_kernel[_grid(rows, launch.rows_per_program)](
+    return KernelLaunch(gated_add_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
         branch, branch_rows.batch_stride, branch_rows.token_stride,
         *modulation(gate, shape.tokens), *modulation(scale, shape.tokens),
         weight, bias, weight2, bias2, out, y,
         rows, shape.tokens, shape.hidden, eps,
+    ), dict(
         RMS=norm == "rms", TANH_GATE=gate_act == "tanh", HAS_SCALE=scale is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_WEIGHT2=weight2 is not None, HAS_BIAS2=bias2 is not None,
         BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
-    )
+    ))
 
 
-def add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, out):
-    _gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)
-    return out
+def add_gate_norm_launch(x, branch, gate, weight, bias, norm, eps, gate_act, out):
+    return _gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)
 
 
-def add_gate_norm_scale(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
-    _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
-    return out, y
+def add_gate_norm_scale_launch(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
+    return _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
 
 
 def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm):
@@ -129,25 +129,46 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     positions_batch_stride, positions_token_stride = (0, 0)
     if positions is not None:
         positions_batch_stride, positions_token_stride = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
-    rotary_kernel[(batch * tokens,)](
+    return KernelLaunch(rotary_kernel, (batch * tokens,), (
         q, q_batch_stride, q_token_stride, q.shape[-2],
         k, k_batch_stride, k_token_stride, k.shape[-2] if k is not None else 0,
         q_weight, k_weight,
         cos_sin_cache, cos_sin_cache.stride(0),
         positions, positions_batch_stride, positions_token_stride, position_offset,
         tokens, head_size, rotary_dim, eps,
+    ), dict(
         NORM=norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
         BLOCK_HEADS=launch.block_heads, BLOCK_HALF=launch.block_half, BLOCK_REST=launch.block_rest,
         num_warps=launch.num_warps,
-    )
+    ))
 
 
-def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset):
-    _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm=True)
-    return q, k
+def qk_norm_rope__launch(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset):
+    return _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm=True)
 
 
-def rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
-    _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, norm=False)
-    return q, k
+def rope__launch(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
+    return _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, norm=False)
+
+
+def _op_function(launch_of):
+    """The op as the registry calls it, with ``bind`` and ``trace`` for ops.py's plans and
+    torch.compile (see kernel_launch.py)."""
+
+    def function(*values):
+        run(launch_of(*values))
+
+    function.bind = lambda values, device_index: bind(launch_of(*values), values, device_index)
+    function.trace = lambda *values: trace(launch_of(*values))
+    return function
+
+
+norm_scale_shift = _op_function(norm_scale_shift_launch)
+residual_norm_scale_shift = _op_function(residual_norm_scale_shift_launch)
+norm_scale_shift_select = _op_function(norm_scale_shift_select_launch)
+residual_norm_scale_shift_select = _op_function(residual_norm_scale_shift_select_launch)
+add_gate_norm = _op_function(add_gate_norm_launch)
+add_gate_norm_scale = _op_function(add_gate_norm_scale_launch)
+qk_norm_rope_ = _op_function(qk_norm_rope__launch)
+rope_ = _op_function(rope__launch)

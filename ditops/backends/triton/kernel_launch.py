@@ -1,0 +1,91 @@
+"""One Triton kernel launch as data, and the three ways ditops issues it.
+
+A backend function of this package computes a ``KernelLaunch`` (kernel, grid, arguments,
+launch settings) from an op's arguments and outputs; it never launches by itself. Then:
+- ``run`` launches it through Triton's normal ``kernel[grid](...)`` path (the uncached way,
+  and the only one under the interpreter or on AMD);
+- ``trace`` hands it to torch.compile through ``torch.library.wrap_triton``, so that Inductor
+  launches the kernel from its own generated code;
+- ``bind`` compiles it once and returns a launcher pre-bound to the compiled kernel, for
+  every later call with the same call signature (ditops/ops.py keys its plans on that).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+
+class KernelLaunch(NamedTuple):
+    kernel: object  # a triton.jit function
+    grid: tuple
+    arguments: tuple  # positional, in the kernel's parameter order
+    constexprs: dict  # the remaining parameters by name, plus num_warps
+
+
+def run(launch: KernelLaunch) -> None:
+    launch.kernel[launch.grid](*launch.arguments, **launch.constexprs)
+
+
+def trace(launch: KernelLaunch) -> None:
+    torch.library.wrap_triton(launch.kernel)[launch.grid](*launch.arguments, **launch.constexprs)
+
+
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Callable[[tuple], None]]:
+    """A launcher for every call whose tensors have this call's shapes, strides, dtypes,
+    device and 16-byte alignment class: Triton's compiled kernel is specialized on exactly
+    those (pointer and integer divisibility by 16, integers equal to 1), so the kernel
+    compiled for this call is the one Triton would pick for each of them.
+
+    ``values`` are the call's arguments and outputs; every tensor the launch passes must be
+    one of them (found by identity): the launcher takes a later call's values and puts its
+    tensors in the same places. Returns None where no such launcher can be made: the
+    interpreter, AMD (Triton's AMD backend also specializes on buffer sizes, which a call
+    signature does not hold), a derived tensor, or a Triton whose launch path differs.
+
+    The launcher calls the compiled kernel's C launcher directly: what Triton's own
+    ``kernel[grid]`` does after its per-call argument specialization, cache key and binding,
+    which cost more than the launch itself (tens of microseconds per call).
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:
+        return None
+    from triton import knobs
+
+    names = launch.kernel.arg_names
+    by_name = dict(zip(names, launch.arguments))
+    by_name.update((k, v) for k, v in launch.constexprs.items() if k not in _LAUNCH_OPTIONS)
+    if set(by_name) != set(names):
+        return None
+    template = [by_name[name] for name in names]
+    slots = []  # (position in the kernel's arguments, index in the call's values)
+    for position, argument in enumerate(template):
+        if isinstance(argument, torch.Tensor):
+            index = next((i for i, value in enumerate(values) if value is argument), None)
+            if index is None:
+                return None
+            slots.append((position, index))
+            template[position] = None  # the plan must not keep this call's tensors alive
+    with torch.cuda.device(device_index):
+        compiled = launch.kernel.warmup(*launch.arguments, grid=launch.grid, **launch.constexprs)
+        compiled._init_handles()  # loads the module on this device now, not inside a later capture
+    grid_x, grid_y, grid_z = (tuple(launch.grid) + (1, 1))[:3]
+    c_launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    current_stream = torch._C._cuda_getCurrentRawStream
+    hooks = knobs.runtime
+
+    def launcher(call_values: tuple) -> None:
+        arguments = template.copy()
+        for position, index in slots:
+            arguments[position] = call_values[index]
+        stream = current_stream(device_index)
+        enter_hook = hooks.launch_enter_hook
+        launch_metadata = None if enter_hook is None else compiled.launch_metadata(launch.grid, stream, *arguments)
+        c_launcher(grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata,
+                   enter_hook, hooks.launch_exit_hook, *arguments)
+
+    return launcher
