@@ -12,11 +12,14 @@ silently recompiling every kernel.
 The cache never makes a call fail: a folder that cannot be created or written, or that
 other users could have planted a binary in (writable by group or other, or owned by
 another uid), is reported once on the ``ditops`` logger and kernels compile in memory for
-the rest of the process. An entry that fails its checksum is reported and rewritten.
+the rest of the process. An entry is trusted only if it is a regular file (never followed
+through a symlink) owned by this user, writable by no one else, and passes its checksum;
+any other is reported once and replaced by a fresh compile. Lock files are deleted after use.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -86,8 +89,8 @@ def cached_binary(key_parts: Sequence[str], compile: Callable[[], bytes]) -> byt
     payload, _ = _read_entry(path)
     if payload is not None:
         return payload
+    lock = filelock.FileLock(folder / f"{key}.lock", timeout=_LOCK_TIMEOUT_S, mode=0o600)
     try:
-        lock = filelock.FileLock(folder / f"{key}.lock", timeout=_LOCK_TIMEOUT_S, mode=0o600)
         lock.acquire()
     except filelock.Timeout:
         logger.warning("ditops: waited %.0f s for the JIT cache lock %s; compiling in memory", _LOCK_TIMEOUT_S, lock.lock_file)
@@ -109,6 +112,7 @@ def cached_binary(key_parts: Sequence[str], compile: Callable[[], bytes]) -> byt
             _refuse(folder, f"cannot write to it: {error}")
         return payload
     finally:
+        _remove_lock_file(lock)
         lock.release()
 
 
@@ -158,13 +162,35 @@ def _refuse(folder: Path, reason: str) -> None:
 
 
 def _read_entry(path: Path) -> tuple[Optional[bytes], Optional[str]]:
-    """(payload, None) for a valid entry, (None, None) when there is none, else (None, what is wrong)."""
+    """(payload, None) for a valid entry, (None, None) when there is none, else (None, what is wrong).
+
+    Only a regular file owned by this user and writable by no one else is trusted, as for the
+    folder: the entry is opened without following a symlink (a link could point at a file
+    anyone can write) and checked on the opened file itself, so nothing can be swapped in
+    between the check and the read. Anything else is reported and replaced by a fresh compile
+    (the rename in _write_entry replaces the link or the foreign file, never its target).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        data = path.read_bytes()
+        fd = os.open(path, flags)  # O_NONBLOCK: a FIFO planted under the entry's name cannot hang us
     except FileNotFoundError:
         return None, None
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, "a symbolic link (not followed)"
         return None, f"unreadable ({error})"
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, "not a regular file"
+        if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+            return None, f"owned by another user (uid {info.st_uid})"
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return None, f"writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+        try:
+            data = file.read()
+        except OSError as error:
+            return None, f"unreadable ({error})"
     header = len(_MAGIC) + _DIGEST_SIZE
     if not data.startswith(_MAGIC) or len(data) < header:
         return None, "truncated or not a ditops cache entry"
@@ -172,6 +198,19 @@ def _read_entry(path: Path) -> tuple[Optional[bytes], Optional[str]]:
     if hashlib.sha256(payload).hexdigest().encode() != digest:
         return None, "corrupt (checksum mismatch)"
     return payload, None
+
+
+def _remove_lock_file(lock: filelock.FileLock) -> None:
+    """Deletes the lock file while holding it, so that a warm cache holds entries only.
+
+    A process already waiting on the deleted file then gets its lock while a newcomer may lock
+    a new file of the same name: both may compile the kernel. That costs a compile, never
+    correctness: each reads the entry again under its lock, and entries are written whole by
+    rename. The lock only saves duplicate work."""
+    try:
+        os.unlink(lock.lock_file)
+    except OSError:
+        pass  # already gone, or the folder turned read-only: a stale lock file is harmless
 
 
 def _write_entry(path: Path, payload: bytes) -> None:

@@ -1,5 +1,6 @@
 """The JIT disk cache (ditops.kernel_cache): hits, keys, concurrent processes, damaged
-entries, and folders it must not use. CPU only."""
+entries, entries it must not trust (symlinks, other owners, writable by others, not files),
+folders it must not use, and no lock files left behind. CPU only."""
 
 import hashlib
 import logging
@@ -148,6 +149,7 @@ def test_two_processes_compile_a_kernel_once(cache_folder, tmp_path):
     assert len(log_path.read_text().split()) == 1, "the kernel compiled more than once"
     (entry,) = entries(cache_folder)
     assert_valid_entry(entry, PAYLOAD)
+    assert list(cache_folder.iterdir()) == [entry], "lock and temp files must be gone"
 
 
 DAMAGES = {
@@ -278,3 +280,74 @@ def test_folder_owned_by_another_user_is_not_used(monkeypatch, cache_folder, war
     (warning,) = warnings_()
     assert str(cache_folder) in warning and "owned by another user" in warning
     assert list(cache_folder.iterdir()) == []
+
+
+# Entries are trusted only as regular files of this user that no one else can write.
+
+
+def _planted(cache_folder, compiler):
+    """Stores one entry, then returns its path for the test to replace."""
+    kernel_cache.cached_binary(["src"], compiler)
+    (entry,) = entries(cache_folder)
+    return entry
+
+
+def _assert_replaced_once(cache_folder, compiler, warnings_, entry, problem):
+    assert kernel_cache.cached_binary(["src"], compiler) == PAYLOAD
+    assert compiler.calls == 2, "the planted entry must not be loaded"
+    (warning,) = warnings_()
+    assert str(entry) in warning and problem in warning, warning
+    assert not entry.is_symlink() and entry.is_file()
+    info = entry.stat()
+    assert info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o600
+    assert_valid_entry(entry, PAYLOAD)
+    assert kernel_cache.cached_binary(["src"], compiler) == PAYLOAD
+    assert compiler.calls == 2 and len(warnings_()) == 1
+    assert kernel_cache.cache_dir() == cache_folder
+
+
+def test_symlinked_entry_is_not_followed(cache_folder, tmp_path, warnings_):
+    compiler = Compiler()
+    entry = _planted(cache_folder, compiler)
+    # A well-formed entry with other bytes, in a file anyone can write, outside the folder.
+    outside = tmp_path / "planted.bin"
+    planted = kernel_cache._MAGIC + hashlib.sha256(b"evil").hexdigest().encode() + b"\n" + b"evil"
+    outside.write_bytes(planted)
+    outside.chmod(0o666)
+    entry.unlink()
+    entry.symlink_to(outside)
+    _assert_replaced_once(cache_folder, compiler, warnings_, entry, "symbolic link")
+    assert outside.read_bytes() == planted, "the link's target must not be written through"
+
+
+@pytest.mark.parametrize("mode", [0o620, 0o602, 0o666])
+def test_entry_others_can_write_is_replaced(cache_folder, warnings_, mode):
+    compiler = Compiler()
+    entry = _planted(cache_folder, compiler)
+    entry.chmod(mode)
+    _assert_replaced_once(cache_folder, compiler, warnings_, entry, "writable by other users")
+
+
+def test_entry_owned_by_another_user_is_replaced(cache_folder, warnings_):
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    compiler = Compiler()
+    entry = _planted(cache_folder, compiler)
+    os.chown(entry, NOBODY, NOBODY)
+    _assert_replaced_once(cache_folder, compiler, warnings_, entry, "owned by another user")
+
+
+def test_entry_that_is_not_a_regular_file_is_replaced(cache_folder, warnings_):
+    compiler = Compiler()
+    entry = _planted(cache_folder, compiler)
+    entry.unlink()
+    os.mkfifo(entry, 0o600)  # opening a FIFO for reading would block without O_NONBLOCK
+    _assert_replaced_once(cache_folder, compiler, warnings_, entry, "not a regular file")
+
+
+def test_no_lock_or_temp_files_are_left(cache_folder):
+    compiler = Compiler()
+    for index in range(24):
+        kernel_cache.cached_binary(["src", str(index)], compiler)
+    assert compiler.calls == 24
+    assert sorted(path.suffix for path in cache_folder.iterdir()) == [".bin"] * 24
