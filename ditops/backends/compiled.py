@@ -94,29 +94,51 @@ def all_instances() -> list:
     return instances
 
 
-def pack_arguments(arguments: list) -> tuple:
+class PackedArguments:
     """Kernel parameters as cuLaunchKernel and hipModuleLaunchKernel take them: the address of
     an array of pointers, one per parameter, to the parameter's bytes. A parameter is a tensor
     or None (a pointer), an int (long long), a float (float), or a tuple of tensors, None and
-    ints (a struct of 64-bit fields, as in memory.cuh). Returns (what to keep alive, address)."""
-    layout, values, offsets, size = ["<"], [], [], 0
-    for argument in arguments:
-        offsets.append(size)
-        for field in argument if isinstance(argument, tuple) else (argument,):
-            if isinstance(field, float):
-                layout.append("f4x")
-                values.append(field)
-            elif isinstance(field, torch.Tensor):
-                layout.append("Q")
-                values.append(field.data_ptr())
-            else:
-                layout.append("q")
-                values.append(0 if field is None else int(field))
-            size += 8
-    buffer = ctypes.create_string_buffer(struct.pack("".join(layout), *values), size)
-    base = ctypes.addressof(buffer)
-    pointers = (ctypes.c_void_p * len(offsets))(*(base + offset for offset in offsets))
-    return (buffer, pointers), ctypes.addressof(pointers)
+    ints (a struct of 64-bit fields, as in memory.cuh).
+
+    Packed once per launch plan: ``rebind(values)`` then writes only the data pointers of a
+    later call's tensors, found at the places where this call's tensors were (``values`` are
+    a call's arguments and outputs; ``slots`` maps byte offsets to their indices)."""
+
+    def __init__(self, arguments: list, values: tuple = ()):
+        layout, fields, offsets, size = ["<"], [], [], 0
+        self.slots = []  # (byte offset, index in the call's values)
+        for argument in arguments:
+            offsets.append(size)
+            for field in argument if isinstance(argument, tuple) else (argument,):
+                if isinstance(field, float):
+                    layout.append("f4x")
+                    fields.append(field)
+                elif isinstance(field, torch.Tensor):
+                    layout.append("Q")
+                    fields.append(field.data_ptr())
+                    index = next((i for i, value in enumerate(values) if value is field), None)
+                    self.slots.append((size, index))
+                else:
+                    layout.append("q")
+                    fields.append(0 if field is None else int(field))
+                size += 8
+        self.buffer = ctypes.create_string_buffer(struct.pack("".join(layout), *fields), size)
+        base = ctypes.addressof(self.buffer)
+        self.pointers = (ctypes.c_void_p * len(offsets))(*(base + offset for offset in offsets))
+        self.address = ctypes.addressof(self.pointers)
+
+    @property
+    def rebindable(self) -> bool:
+        """Whether every tensor parameter is one of the call's values."""
+        return all(index is not None for _, index in self.slots)
+
+    def rebind(self, values: tuple) -> int:
+        for offset, index in self.slots:
+            _pack_pointer(self.buffer, offset, values[index].data_ptr())
+        return self.address
+
+
+_pack_pointer = struct.Struct("<Q").pack_into
 
 
 class Binary(NamedTuple):
@@ -142,8 +164,17 @@ def cached_binary(backend: str, compiler_version: str, arch: str, instance: Inst
     return Binary(code, lowered, bool(compiled))
 
 
-# Launcher: (instance, grid, packed-argument list, a tensor on the device to launch on) -> None.
-Launcher = Callable[[Instance, tuple, list, torch.Tensor], None]
+class CompiledLaunch(NamedTuple):
+    instance: Instance
+    grid: tuple
+    arguments: list  # parameters as PackedArguments takes them
+
+
+# A backend's two launch functions:
+# launch(instance, grid, packed arguments, device index) -> None, on that device's current stream;
+# bind(instance, device index) -> launch(grid, packed arguments address), the instance loaded once.
+Launcher = Callable[[Instance, tuple, PackedArguments, int], None]
+Binder = Callable[[Instance, int], Callable[[tuple, int], None]]
 
 
 def _weight(t: Optional[torch.Tensor]) -> tuple:
@@ -172,87 +203,102 @@ def _integers(t: Optional[torch.Tensor]) -> tuple:
 
 
 class CompiledOps:
-    """The ops of OPS.md as launches of the csrc kernels, with the backend calling convention
-    (the op's arguments, then the outputs to write)."""
+    """The ops of OPS.md as launches of the csrc kernels. ``<op>_launch`` takes the backend
+    calling convention (the op's arguments, then the outputs to write) and returns the
+    ``CompiledLaunch`` (None for an empty input); ``functions()`` makes the op functions the
+    registry calls, each with the ``bind`` that ditops/ops.py uses for its launch plans."""
 
-    def __init__(self, launcher: Launcher):
-        self.launch = launcher
+    def __init__(self, launcher: Launcher, binder: Binder):
+        self.launch, self.bind = launcher, binder
 
     def functions(self) -> dict:
         """The op functions by op name, as a backend module exports them to the registry."""
         from ..dispatch.registry import OPS
 
-        return {op: getattr(self, op) for op in OPS}
+        return {op: self._function(getattr(self, op + "_launch")) for op in OPS}
 
-    def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list) -> None:
+    def _function(self, launch_of: Callable) -> Callable:
+        def function(*values):
+            launch = launch_of(*values)
+            if launch is not None:
+                self.launch(launch.instance, launch.grid, PackedArguments(launch.arguments), values[0].get_device())
+
+        def bind(values: tuple, device_index: int):
+            launch = launch_of(*values)
+            if launch is None:
+                return lambda values: None
+            packed = PackedArguments(launch.arguments, values)
+            if not packed.rebindable:
+                return None
+            bound = self.bind(launch.instance, device_index)
+            grid = launch.grid
+            return lambda values: bound(grid, packed.rebind(values))
+
+        function.bind = bind
+        return function
+
+    def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list) -> Optional[CompiledLaunch]:
         shape = rows_of(x)
         rows = shape.batch * shape.tokens
         if rows == 0 or shape.hidden == 0:
-            return
+            return None
         if rows >= 2**31:
             raise ValueError(f"{kernel}: B * S = {rows} rows; the compiled kernels index rows with 32 bits")
         instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden)
         rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
-        self.launch(instance, grid, arguments + [rows, shape.tokens, shape.hidden], x)
+        return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, shape.hidden])
 
     def _modulated_norm(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(residual), modulation(gate, tokens), modulation(scale, tokens),
                      modulation(shift, tokens), weight, bias, y, residual_out, float(eps), int(norm == "rms")]
-        self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments)
+        return self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments)
 
-    def norm_scale_shift(self, x, scale, shift, weight, bias, norm, eps, y):
-        self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
-        return y
+    def norm_scale_shift_launch(self, x, scale, shift, weight, bias, norm, eps, y):
+        return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
 
-    def residual_norm_scale_shift(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
-        self._modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
-        return y, residual_out
+    def residual_norm_scale_shift_launch(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+        return self._modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
 
     def _selected_modulation_norm(self, x, residual, residual_gate, index, modulations, weight, bias, eps,
                                   y, residual_out, gate_out):
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(residual), modulation(residual_gate, tokens), _integers(index),
                      *(modulation(t, tokens) for t in modulations), weight, bias, y, residual_out, gate_out, float(eps)]
-        self._rows_launch("selected_modulation_norm", x, (residual_gate, *modulations, weight, bias), arguments)
+        return self._rows_launch("selected_modulation_norm", x, (residual_gate, *modulations, weight, bias), arguments)
 
-    def norm_scale_shift_select(self, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
-                                y, gate_out):
+    def norm_scale_shift_select_launch(self, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
+                                       y, gate_out):
         modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
-        self._selected_modulation_norm(x, None, None, index, modulations, weight, bias, eps, y, None, gate_out)
-        return y, gate_out
+        return self._selected_modulation_norm(x, None, None, index, modulations, weight, bias, eps, y, None, gate_out)
 
-    def residual_norm_scale_shift_select(self, x, residual, residual_gate, index, scale0, shift0, gate0, scale1,
-                                         shift1, gate1, weight, bias, eps, y, residual_out, gate_out):
+    def residual_norm_scale_shift_select_launch(self, x, residual, residual_gate, index, scale0, shift0, gate0, scale1,
+                                                shift1, gate1, weight, bias, eps, y, residual_out, gate_out):
         modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
-        self._selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps,
-                                       y, residual_out, gate_out)
-        return y, residual_out, gate_out
+        return self._selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps,
+                                              y, residual_out, gate_out)
 
     def _gated_add_norm(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(branch), modulation(gate, tokens), modulation(scale, tokens),
                      weight, bias, weight2, bias2, out, y, float(eps), int(norm == "rms"), int(gate_act == "tanh")]
-        self._rows_launch("gated_add_norm", x, (gate, scale, weight, bias, weight2, bias2), arguments)
+        return self._rows_launch("gated_add_norm", x, (gate, scale, weight, bias, weight2, bias2), arguments)
 
-    def add_gate_norm(self, x, branch, gate, weight, bias, norm, eps, gate_act, out):
-        self._gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)
-        return out
+    def add_gate_norm_launch(self, x, branch, gate, weight, bias, norm, eps, gate_act, out):
+        return self._gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)
 
-    def add_gate_norm_scale(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
-        self._gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
-        return out, y
+    def add_gate_norm_scale_launch(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act,
+                                   out, y):
+        return self._gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
 
-    def _rotary(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
-                position_offset, norm):
+    def _rotary(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm):
         q_tokens = tokens_of(q)
         q_heads, k_heads = q.shape[-2], (k.shape[-2] if k is not None else 0)
         rows = q_tokens.batch * q_tokens.tokens
         if rows == 0 or q.shape[-1] == 0:
-            return
+            return None
         instance = rotary_instance(q.dtype, q.shape[-1])
-        grid = (rows, 1, 1)
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
@@ -260,15 +306,12 @@ class CompiledOps:
             q_heads, k_heads, q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[1], position_offset,
             float(eps), int(norm), int(interleaved),
         ]
-        self.launch(instance, grid, arguments, q)
+        return CompiledLaunch(instance, (rows, 1, 1), arguments)
 
-    def qk_norm_rope_(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
-                      position_offset):
-        self._rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
-                     position_offset, norm=True)
-        return q, k
+    def qk_norm_rope__launch(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
+                             position_offset):
+        return self._rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset,
+                            norm=True)
 
-    def rope_(self, q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
-        self._rotary(q, k, None, None, cos_sin_cache, positions, interleaved, rotary_dim, 0.0, position_offset,
-                     norm=False)
-        return q, k
+    def rope__launch(self, q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
+        return self._rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, norm=False)

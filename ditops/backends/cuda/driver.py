@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiled import Binary, Instance, cached_binary, pack_arguments
+from ..compiled import Binary, Instance, PackedArguments, cached_binary
 from . import nvrtc
 
 _functions: dict = {}  # (device index, Instance) -> CUfunction
@@ -70,17 +70,30 @@ def function(instance: Instance, device_index: int):
     return loaded
 
 
-def launch(instance: Instance, grid: tuple, arguments: list, like: torch.Tensor) -> None:
-    """Launches instance on like's device and that device's current stream."""
+def bind(instance: Instance, device_index: int):
+    """A launcher of instance on the device and that device's current stream:
+    (grid, packed-arguments address) -> None, the function loaded once."""
     from cuda.bindings import driver
 
-    device_index = like.get_device()
     kernel = function(instance, device_index)
-    keep_alive, parameters = pack_arguments(arguments)
-    stream = torch._C._cuda_getCurrentRawStream(device_index)
-    result = driver.cuLaunchKernel(kernel, *grid, instance.block, 1, 1, 0, stream, parameters, 0)
-    if result[0] == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT or result[0] == driver.CUresult.CUDA_ERROR_INVALID_HANDLE:
-        _make_context_current(device_index)  # a thread that never used this device, or another device's context
-        result = driver.cuLaunchKernel(kernel, *grid, instance.block, 1, 1, 0, stream, parameters, 0)
-    _check(result, f"launching {instance.name_expression}")
-    del keep_alive
+    block = instance.block
+    current_stream = torch._C._cuda_getCurrentRawStream
+    launch_kernel = driver.cuLaunchKernel
+    success = driver.CUresult.CUDA_SUCCESS
+    stale_context = (driver.CUresult.CUDA_ERROR_INVALID_CONTEXT, driver.CUresult.CUDA_ERROR_INVALID_HANDLE)
+
+    def launch(grid: tuple, parameters: int) -> None:
+        stream = current_stream(device_index)
+        result = launch_kernel(kernel, *grid, block, 1, 1, 0, stream, parameters, 0)
+        if result[0] != success:
+            if result[0] in stale_context:  # a thread that never used this device, or another device's context
+                _make_context_current(device_index)
+                result = launch_kernel(kernel, *grid, block, 1, 1, 0, stream, parameters, 0)
+            _check(result, f"launching {instance.name_expression}")
+
+    return launch
+
+
+def launch(instance: Instance, grid: tuple, arguments: PackedArguments, device_index: int) -> None:
+    """Launches instance on the device and that device's current stream."""
+    bind(instance, device_index)(grid, arguments.address)

@@ -12,7 +12,7 @@ from typing import Optional
 
 from ...dispatch.device import DeviceInfo
 from ..compiled import CompiledOps
-from .driver import launch
+from .driver import bind, launch
 
 
 def available(device: DeviceInfo) -> Optional[str]:
@@ -26,4 +26,4 @@ def available(device: DeviceInfo) -> Optional[str]:
 
 
 # One function per op, named as the op: what the registry looks up.
-globals().update(CompiledOps(launch).functions())
+globals().update(CompiledOps(launch, bind).functions())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...dispatch.device import device_of
-from ..compiled import Binary, Instance, cached_binary, pack_arguments
+from ..compiled import Binary, Instance, PackedArguments, cached_binary
 from . import hiprtc
 
 _functions: dict = {}  # (device index, Instance) -> hipFunction_t
@@ -50,14 +50,23 @@ def function(instance: Instance, device_index: int):
     return loaded
 
 
-def launch(instance: Instance, grid: tuple, arguments: list, like: torch.Tensor) -> None:
-    """Launches instance on like's device and that device's current stream."""
+def bind(instance: Instance, device_index: int):
+    """A launcher of instance on the device and that device's current stream:
+    (grid, packed-arguments address) -> None, the function loaded once."""
     from hip import hip
 
-    device_index = like.get_device()
     kernel = function(instance, device_index)
-    keep_alive, parameters = pack_arguments(arguments)
-    stream = torch._C._cuda_getCurrentRawStream(device_index)
-    _check(hip.hipModuleLaunchKernel(kernel, *grid, instance.block, 1, 1, 0, stream, parameters, None),
-           f"launching {instance.name_expression}")
-    del keep_alive
+    block = instance.block
+    current_stream = torch._C._cuda_getCurrentRawStream
+
+    def launch(grid: tuple, parameters: int) -> None:
+        result = hip.hipModuleLaunchKernel(kernel, *grid, block, 1, 1, 0, current_stream(device_index), parameters, None)
+        _check(result, f"launching {instance.name_expression}")
+
+    return launch
+
+
+def launch(instance: Instance, grid: tuple, arguments: PackedArguments, device_index: int) -> None:
+    """Launches instance on the device and that device's current stream."""
+    with torch.cuda.device(device_index):  # HIP launches on the current device's context
+        bind(instance, device_index)(grid, arguments.address)
