@@ -1,0 +1,110 @@
+"""Wan 2.1 / 2.2 (``WanTransformer3DModel``) under ditops.
+
+- The float32-modulated ``norm1`` -> ``norm_scale_shift``; the gated self-attention residual
+  with the affine ``norm2``, and the cross-attention residual (gate 1) with ``norm3`` and its
+  modulation -> ``residual_norm_scale_shift``.
+- In self-attention, the q/k RMSNorm across all heads -> ``norm_scale_shift`` (norm="rms", no
+  modulation) and the RoPE -> ``rope_``, on the cos/sin that the model's ``rope`` module hands
+  the block: one row per token of the sequence the block sees. Under context parallelism the
+  plan splits those outputs along the sequence together with ``blocks.0``'s hidden states, so
+  both are this shard's and the shard's rows start at row 0 of its table (no offset).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import ops
+from . import patching
+
+
+def _block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+    """diffusers' WanTransformerBlock with the float32-modulated norm1 as norm_scale_shift,
+    "residual + gate * self-attention, then the affine norm2" and "residual + cross-attention
+    (gate 1), then norm3 and its modulation" each as one residual_norm_scale_shift. The
+    modulation stays float32 next to bf16 activations."""
+    if patching.hooked(self, ("norm1", "norm2", "norm3")):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
+    if temb.ndim == 4:  # Wan2.2 TI2V: per-token modulation [B, S, 6, D]
+        chunks = (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        chunks = [chunk.squeeze(2) for chunk in chunks]
+    else:  # [B, 6, D]: one [B, 1, D] vector per batch item
+        chunks = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
+    shift_msa, scale_msa, gate_msa, context_shift, context_scale, context_gate = chunks
+
+    norm_hidden_states = ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
+    attention = self.attn1(norm_hidden_states, None, None, rotary_emb)
+    if isinstance(self.norm2, torch.nn.Identity):
+        hidden_states = (hidden_states.float() + attention * gate_msa).type_as(hidden_states)
+        norm_hidden_states = hidden_states
+    else:  # the affine norm2 as a residual_norm_scale_shift without modulation
+        no_modulation = gate_msa.new_zeros(())
+        norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
+            attention, hidden_states, gate_msa, no_modulation, no_modulation, weight=self.norm2.weight,
+            bias=self.norm2.bias, eps=self.norm2.eps)
+    cross_attention = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
+        cross_attention, hidden_states, None, context_scale, context_shift, eps=self.norm3.eps)
+    feed_forward = self.ffn(norm_hidden_states)
+    return (hidden_states.float() + feed_forward.float() * context_gate).type_as(hidden_states)
+
+
+class WanNormRopeProcessor(patching.DitopsProcessor):
+    """diffusers' WanAttnProcessor for self-attention with Wan's q/k RMSNorm across all heads
+    as norm_scale_shift (norm="rms", no modulation) and its interleaved RoPE as rope_ on q and
+    k. Calls without rotary embeddings or with image context (cross-attention) go to the original."""
+
+    bypassed = ("norm_q", "norm_k")
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        if (rotary_emb is None or attn.add_k_proj is not None or encoder_hidden_states is not None
+                or patching.hooked(attn, self.bypassed)):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        no_modulation = query.new_zeros(())
+        query, key = (ops.norm_scale_shift(t, no_modulation, no_modulation, weight=norm.weight, norm="rms", eps=norm.eps)
+                      for t, norm in ((query, attn.norm_q), (key, attn.norm_k)))
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        cos, sin = rotary_emb  # [1, S, 1, Dh] each, every pair's value repeated (diffusers reads sin at odd columns)
+        cache = torch.cat([cos[0, :, 0, 0::2], sin[0, :, 0, 1::2]], dim=1)
+        ops.rope_(query, key, cache if cache.dtype != torch.float64 else cache.float())
+        out = self.attention(query, key, value, attention_mask).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _fp32_layer_norm(norm) -> bool:
+    from diffusers.models.normalization import FP32LayerNorm
+
+    return type(norm) is FP32LayerNorm and norm.weight is None and norm.bias is None
+
+
+def _norm2_supported(norm) -> bool:
+    """Identity (cross_attn_norm=False) or an affine FP32LayerNorm."""
+    from diffusers.models.normalization import FP32LayerNorm
+
+    return type(norm) is torch.nn.Identity or (type(norm) is FP32LayerNorm and norm.weight is not None
+                                                 and norm.bias is not None)
+
+
+def _attention_supported(attn) -> bool:
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    return type(attn.processor) is WanAttnProcessor and all(
+        type(norm) is torch.nn.RMSNorm and norm.weight is not None and norm.eps is not None
+        for norm in (attn.norm_q, attn.norm_k))
+
+
+def patch(model, patches: list, report) -> None:
+    for index, block in enumerate(model.blocks):
+        path = f"blocks.{index}"
+        if not (_fp32_layer_norm(block.norm1) and _fp32_layer_norm(block.norm3) and _norm2_supported(block.norm2)):
+            report.skipped.append(f"{path}: norm1/norm2/norm3 with other parameters or of another type")
+        elif patching.replace_forward(patches, report, block, path, _block_forward):
+            report.replaced.append((f"{path}.norm1", "norm_scale_shift"))
+            if not isinstance(block.norm2, torch.nn.Identity):
+                report.replaced.append((f"{path}.norm2", "residual_norm_scale_shift"))
+            report.replaced.append((f"{path}.norm3", "residual_norm_scale_shift"))
+        patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", _attention_supported(block.attn1),
+                                   WanNormRopeProcessor, "norm_scale_shift (rms), rope_")
