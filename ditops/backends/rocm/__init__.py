@@ -16,13 +16,11 @@ from .driver import bind, launch
 
 
 def available(device: DeviceInfo) -> Optional[str]:
+    """Refused unless hiprtc really loads through hip-python here (hiprtc.load_error): the
+    Triton backend then serves, and ``ditops info`` / ``explain`` show why."""
     if device.vendor != "rocm":
         return "compiles HIP for AMD GPUs only"
-    try:
-        from hip import hip, hiprtc  # noqa: F401
-    except ImportError as error:
-        return f"needs hip-python (pip install 'ditops[rocm]'): {error}"
-    return None
+    return hiprtc.load_error()
 
 
 # One function per op, named as the op: what the registry looks up.

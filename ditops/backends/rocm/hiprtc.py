@@ -1,17 +1,34 @@
 """Compiling ditops/csrc kernels with hiprtc (hip-python) to an AMD code object for one gfx
-arch. Needs no GPU: the ROCm libraries alone (CI uses Debian's ROCm 5.2, see .ci/run)."""
+arch. Needs no GPU: the ROCm libraries alone (CI uses Debian's ROCm 5.2, see .ci/run).
+
+hip-python opens hiprtc on its first call, by a path it resolves itself or by the bare name
+``libhiprtc.so``, which many installs lack: PyTorch's ROCm wheels ship hiprtc versioned in
+``torch/lib``, distributions ship ``libhiprtc.so.N`` only, and in ROCm 5.2 hiprtc lives in
+``libamdhip64.so.5``. ``library()`` finds a library that really holds hiprtc and, where
+hip-python resolves paths through ``rocm.bindings.util.paths`` (hip-python 7 and newer),
+points it there; ``load_error()`` then calls the binding once, so that the backend is
+refused with the reason (and Triton serves) instead of failing on every call.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from typing import NamedTuple, Sequence
+import os
+from pathlib import Path
+from typing import NamedTuple, Optional, Sequence
+
+import torch
 
 from ..compiled import SOURCES, Instance
 
+# Tried by name (the system loader's search) after the folders below: newest soname first;
+# ROCm 5.2 has no libhiprtc and exports hiprtc from the HIP runtime.
+_SYSTEM_NAMES = ("libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6", "libhiprtc.so.5", "libamdhip64.so.5")
+
 
 class CompileError(RuntimeError):
-    pass
+    """hiprtc cannot be loaded, or a kernel does not compile; the message names the backend."""
 
 
 class CodeObject(NamedTuple):
@@ -24,7 +41,7 @@ def _check(result, what: str, program=None) -> tuple:
 
     error, *values = result if isinstance(result, tuple) else (result,)
     if error != hiprtc.hiprtcResult.HIPRTC_SUCCESS:
-        raise CompileError(f"{what} failed: {error.name}\n{_log(program) if program is not None else ''}")
+        raise CompileError(f"rocm backend: {what} failed: {error.name}\n{_log(program) if program is not None else ''}")
     return tuple(values)
 
 
@@ -37,19 +54,105 @@ def _log(program) -> str:
     return bytes(log).decode(errors="replace").rstrip("\x00 \n")
 
 
+def _candidates() -> list:
+    """Where hiprtc may be, most specific first: the path hip-python resolves itself, torch's
+    own ROCm libraries, the ROCm trees, then bare names for the system loader."""
+    found = []
+    try:
+        from rocm.bindings.util import paths
+
+        resolved = os.fsdecode(paths.get_library_path("hiprtc"))
+        if os.path.isabs(resolved):
+            found.append(resolved)
+    except Exception:  # an older hip-python, or one whose lookup fails: the searches below remain
+        pass
+    folders = [Path(torch.__file__).parent / "lib"]
+    folders += [Path(root) / "lib" for root in (os.environ.get("ROCM_PATH"), os.environ.get("ROCM_HOME"), "/opt/rocm") if root]
+    for folder in folders:
+        found += sorted(str(path) for path in folder.glob("libhiprtc.so*"))
+    found += _SYSTEM_NAMES
+    return list(dict.fromkeys(found))
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> str:
+    """The library hip-python's hiprtc calls go to in this process (see the module docstring)."""
+    tried = []
+    for candidate in _candidates():
+        try:
+            handle = ctypes.CDLL(candidate)
+        except OSError:
+            tried.append(candidate)
+            continue
+        if hasattr(handle, "hiprtcCreateProgram"):
+            _point_hip_python_at(candidate)
+            return candidate
+        tried.append(f"{candidate} (has no hiprtc)")
+    raise CompileError(
+        f"rocm backend: no loadable hiprtc library (tried {', '.join(tried)}); "
+        "install ROCm's hiprtc or a ROCm build of torch, or set ROCM_PATH"
+    )
+
+
+def _point_hip_python_at(path: str) -> None:
+    try:
+        from rocm.bindings.util import paths
+    except ImportError:  # hip-python before 7 opens "libhiprtc.so" by name: load_error() says if that fails
+        return
+    original = paths.get_library_path
+    if getattr(original, "ditops_hiprtc", None) is not None:
+        original = original.wrapped
+
+    def get_library_path(shortname, *args, **kwargs):
+        return os.fsencode(path) if shortname == "hiprtc" else original(shortname, *args, **kwargs)
+
+    get_library_path.ditops_hiprtc, get_library_path.wrapped = path, original
+    paths.get_library_path = get_library_path
+
+
+@functools.lru_cache(maxsize=None)
+def load_error() -> Optional[str]:
+    """None once hiprtc answers through hip-python in this process, else why it cannot."""
+    try:
+        from hip import hiprtc  # noqa: F401
+    except ImportError as error:
+        return f"needs hip-python (pip install 'ditops[rocm]'): {error}"
+    try:
+        version()
+    except CompileError as error:
+        return str(error)
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def version() -> str:
     from hip import hiprtc
 
-    major, minor = _check(hiprtc.hiprtcVersion(), "hiprtcVersion")
+    path = library()
+    try:
+        major, minor = _check(hiprtc.hiprtcVersion(), "hiprtcVersion")
+    except CompileError:
+        raise
+    except RuntimeError as error:  # the binding's own dlopen failure
+        raise CompileError(f"rocm backend: hip-python cannot load hiprtc (found at {path}): {error}") from error
     return f"{major}.{minor}"
 
 
 def compile_instances(instances: Sequence[Instance], arch: str) -> CodeObject:
     """Compiles instances of one source file together for arch ("gfx942")."""
+    (source_name,) = {instance.source for instance in instances}
+    hiprtc_version = version()  # loads hiprtc, or raises CompileError saying why not
+    try:
+        return _compile(instances, source_name, arch)
+    except CompileError:
+        raise
+    except RuntimeError as error:  # anything else the binding raises, named as this backend's
+        raise CompileError(f"rocm backend: hiprtc {hiprtc_version} failed on {source_name} for {arch}: {error}") from error
+
+
+def _compile(instances: Sequence[Instance], source_name: str, arch: str) -> CodeObject:
     from hip import hiprtc
 
-    (source_name,) = {instance.source for instance in instances}
     source = (SOURCES / source_name).read_bytes()
     (program,) = _check(hiprtc.hiprtcCreateProgram(source, source_name.encode(), 0, [], []), "hiprtcCreateProgram")
     try:
