@@ -1,8 +1,10 @@
 """Typical arguments of each op, as a DiT block passes them, for a given shape.
 
 Used by ``ditops info`` / ``ditops explain``, the dispatch-overhead benchmark and the
-torch.library tests. Inputs are random (never zeros). The shape is x's [B, S, D] for
-the norm ops and q's [T, H, Dh] or [B, S, H, Dh] for the RoPE ops.
+torch.library tests. Inputs are random (never zeros). The shape is x's [B, S, D] or [S, D]
+for the norm ops and q's [T, H, Dh] or [B, S, H, Dh] for the RoPE ops. On the "meta"
+device the tensors have shapes, strides and dtypes but no memory: enough to validate and
+dispatch a call of any size (``ditops explain``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,19 @@ DEFAULT_SHAPES = {
 }
 
 
+def check_shape(op: str, shape: Sequence[int]) -> tuple:
+    """``shape`` as a tuple if it fits op (see the module docstring), else a ValueError saying what fits."""
+    if op not in DEFAULT_SHAPES:
+        raise ValueError(f"op must be one of {', '.join(DEFAULT_SHAPES)}, got {op!r}")
+    shape = tuple(shape)
+    heads = op.endswith("_")
+    wanted = "q's T,H,Dh or B,S,H,Dh" if heads else "x's B,S,D or S,D"
+    ranks = (3, 4) if heads else (2, 3)
+    if len(shape) not in ranks or any(not isinstance(size, int) or size < 0 for size in shape):
+        raise ValueError(f"shape for {op} must be {wanted} (sizes >= 0), got {','.join(map(str, shape))}")
+    return shape
+
+
 def example_arguments(
     op: str,
     shape: Optional[Sequence[int]] = None,
@@ -34,12 +49,15 @@ def example_arguments(
     """Keyword arguments for ``ditops.<op>``: per-batch [B, D] modulation views of one [B, 6, D]
     tensor (as DiTs chunk it), float32 weights, a float32 cos/sin cache, no positions.
     With param_dtype, every tensor but the activations has that dtype (as in Wan: float32)."""
-    shape = tuple(shape or DEFAULT_SHAPES[op])
+    shape = check_shape(op, shape or DEFAULT_SHAPES[op])
     generator = torch.Generator().manual_seed(seed)
     weight_dtype = param_dtype or torch.float32
     modulation_dtype = param_dtype or dtype
+    meta = torch.device(device).type == "meta"
 
     def random(*size, dtype=dtype):
+        if meta:  # no values, no memory: randn on the CPU first would allocate the full size
+            return torch.empty(size, dtype=dtype, device="meta")
         return torch.randn(size, generator=generator).to(dtype=dtype, device=device)
 
     if op in ("qk_norm_rope_", "rope_"):

@@ -1,4 +1,4 @@
-"""The ditops command: info, explain, check."""
+"""The ditops command: info, explain, check, bench, warmup; --version, progress, bad arguments."""
 
 import os
 import re
@@ -8,13 +8,21 @@ import sys
 import pytest
 import torch
 
+import ditops
 from conftest import TESTS
 from ditops import cli, dispatch
+from ditops.bench.cases import CASES
 
 
 def run(capsys, *argv):
     code = cli.main(list(argv))
     return code, capsys.readouterr().out
+
+
+def run_both(capsys, *argv):
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def test_info_lists_backends_and_dispatch(capsys):
@@ -28,7 +36,7 @@ def test_info_lists_backends_and_dispatch(capsys):
 
 
 def test_info_on_a_simulated_amd_device_with_a_plugged_backend(capsys, toy_registry):
-    code, out = run(capsys, "info", "--device", "gfx942")
+    code, out = run(capsys, "info", "--arch", "gfx942")
     assert code == 0
     assert "device: rocm gfx942 [simulated]" in out
     assert "fast       available" in out  # available on GPUs; its constraints then refuse rocm
@@ -37,7 +45,7 @@ def test_info_on_a_simulated_amd_device_with_a_plugged_backend(capsys, toy_regis
 
 
 def test_explain(capsys, toy_registry):
-    code, out = run(capsys, "explain", "norm_scale_shift", "--shape", "2,64,1004", "--device", "sm_90")
+    code, out = run(capsys, "explain", "norm_scale_shift", "--shape", "2,64,1004", "--arch", "sm_90")
     assert code == 0
     assert out.startswith("ditops.norm_scale_shift -> reference")
     assert "needs D to be a multiple of 8, got D=1004" in out
@@ -49,10 +57,119 @@ def test_explain_reports_bad_input_without_a_traceback(capsys):
     assert "q has head size Dh=7" in capsys.readouterr().err
 
 
-def test_check_prints_the_table(capsys):
-    code, out = run(capsys, "check", "--dtypes", "float32")
+def test_check_prints_the_table_and_its_progress_on_stderr(capsys):
+    code, out, err = run_both(capsys, "check", "--dtypes", "float32")
     assert code == 0
     assert "qk_norm_rope_" in out and " 0 fail " in out and " 1 fail " not in out
+    backends, cases = len(cli.conformance.backends()), len(cli.conformance.CASES)
+    assert f"{backends} backends x {cases} cases x 1 dtypes = {backends * cases} runs" in err
+    assert re.search(r"^  \[ *\d+/\d+\] reference rope_: \d+ cases x 1 dtypes$", err, re.MULTILINE), err
+    assert "check on" not in out  # progress stays off stdout
+
+
+def test_quiet_check_prints_no_progress(capsys, monkeypatch):
+    # One op's cases keep this short: the flag, not the suite, is under test.
+    monkeypatch.setattr(cli.conformance, "CASES", [case for case in cli.conformance.CASES if case.op == "rope_"])
+    code, out, err = run_both(capsys, "check", "-q", "--dtypes", "float32")
+    assert code == 0 and "rope_" in out
+    assert err == ""
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"ditops {ditops.__version__}\n"
+
+
+# Each bad argument: exit code 2, one line on stderr naming the problem, no traceback.
+BAD_ARGUMENTS = {
+    "rope shape of rank 2": (["explain", "rope_", "--shape", "4096,32"], "--shape: shape for rope_ must be q's T,H,Dh or B,S,H,Dh"),
+    "norm shape of rank 1": (["explain", "norm_scale_shift", "--shape", "3072"], "must be x's B,S,D or S,D"),
+    "negative size": (["explain", "rope_", "--shape", "4,-3,8"], "sizes >= 0"),
+    "shape that is no shape": (["explain", "rope_", "--shape", "4,a"], "is not a shape like"),
+    "odd head size (the op's own ValueError)": (["explain", "rope_", "--shape", "4,3,7"], "q has head size Dh=7"),
+    "unknown op": (["explain", "nope"], "invalid choice: 'nope'"),
+    "unknown dtype": (["explain", "rope_", "--dtype", "float128"], "'float128' is not a torch dtype"),
+    "arch given to check": (["check", "--device", "sm_90"], "--device 'sm_90' is not a torch device"),
+    "meta given to check": (["check", "--device", "meta"], "check computes values on cpu or cuda[:N], got 'meta'"),
+    "dtype without tolerances": (["check", "--dtypes", "float64"], "conformance has tolerances for float32, float16, bfloat16, got float64"),
+    "AMD arch given to warmup": (["warmup", "--arch", "gfx942"], "NVIDIA sm_80 and newer, got 'gfx942'"),
+    "arch that is no arch": (["warmup", "--arch", "sm_xx"], "device arch 'sm_xx' is not one of"),
+    "arch below the cuda backend's": (["warmup", "--arch", "sm_70"], "got 'sm_70'"),
+    "zero compile threads": (["warmup", "--arch", "sm_90", "--jobs", "0"], "wanted a positive whole number, got '0'"),
+    "arch that is no arch, for info": (["info", "--arch", "sm_9x"], "device arch 'sm_9x' is not one of"),
+    "unknown op for bench": (["bench", "--ops", "nope"], "--ops: unknown op 'nope'"),
+    "no subcommand": ([], "required: command"),
+}
+if not torch.cuda.is_available():
+    BAD_ARGUMENTS["cuda without a GPU"] = (["check", "--device", "cuda"], "no GPU here")
+    BAD_ARGUMENTS["warmup without a GPU or --arch"] = (["warmup"], "name the arch to compile for, e.g. --arch sm_90")
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS)
+def test_bad_arguments_end_in_one_line_and_exit_code_2(capsys, argv, message):
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own checks exit from parse_args
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.out == ""
+    assert captured.err.endswith("\n") and captured.err.count("\n") == 1, captured.err
+    assert message in captured.err and "Traceback" not in captured.err
+
+
+def test_bench_refuses_an_unwritable_output_folder_before_running(capsys, tmp_path, monkeypatch):
+    from ditops import bench
+
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("the benchmark ran before the folder was checked"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, out, err = run_both(capsys, "bench", "--output", str(blocker / "results"))
+    assert code == 2 and out == ""
+    assert err.startswith(f"ditops bench: --output: cannot write results to '{blocker / 'results'}'")
+
+
+def test_bench_prints_the_table_before_writing_files(capsys, tmp_path, monkeypatch):
+    from ditops import bench
+
+    def failing_write(*arguments, **keywords):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "write", failing_write)
+    code, out, err = run_both(capsys, "bench", "-q", "--quick", "--ops", "rope_", "--backends", "eager", "--output", str(tmp_path))
+    assert code == 1
+    assert "| rope_ |" in out  # the table is out, the results are not lost
+    assert "could not write the files" in err and "No space left on device" in err
+    assert "[ 1/" not in err  # -q: no progress lines
+
+
+def test_bench_progress_counts_the_cases(capsys, tmp_path):
+    code, out, err = run_both(capsys, "bench", "--quick", "--ops", "rope_", "--backends", "eager", "--output", str(tmp_path), "--no-plots")
+    assert code == 0
+    quick = [case for case in CASES if case.op == "rope_" and case.quick]
+    for number in range(1, len(quick) + 1):
+        assert f"[{number:2}/{len(quick)}] rope_" in err
+    assert "wrote " in out
+
+
+def test_explain_describes_a_huge_call_from_shapes_alone(capsys):
+    """1e9 tokens x 3072 in bfloat16 is 6 TB: only meta tensors (no memory) can answer this."""
+    code, out, err = run_both(capsys, "explain", "norm_scale_shift", "--shape", f"1,{10**9},3072", "--arch", "sm_90")
+    assert code == 0, err
+    assert out.startswith("ditops.norm_scale_shift -> triton")
+    code, out, err = run_both(capsys, "explain", "rope_", "--shape", f"{10**9},32,128", "--arch", "gfx942")
+    assert code == 0, err
+    assert out.startswith("ditops.rope_ -> ")
+
+
+def test_device_is_the_deprecated_spelling_of_arch(capsys):
+    code, out, err = run_both(capsys, "explain", "rope_", "--shape", "64,4,80", "--device", "sm_90")
+    assert code == 0
+    assert "--device ARCH is deprecated here, use --arch sm_90" in err
+    assert out.startswith("ditops.rope_ -> triton")
+    assert "cuda sm_90 [simulated]" in out
 
 
 def test_console_script_check_fails_on_a_broken_backend():

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import platform
+import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -150,6 +152,24 @@ def _driver_version() -> Optional[str]:
         return None
 
 
+def prepare_output(folder) -> Path:
+    """Creates ``folder`` if needed and proves it writable, before any time is spent measuring."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ditops-write-test-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"cannot write results to {str(folder)!r}: {error.strerror or error}") from None
+    return folder
+
+
+def write(rows: list, info: dict, output, plots: bool = True) -> list:
+    """Writes the JSON, CSV and (with plots) PNG files of a run; returns their paths."""
+    stem = f"{report.slug(info['device'])}_{info['date']}" + ("_quick" if info["quick"] else "")
+    return report.write(rows, info, Path(output), stem, plots)
+
+
 def run(
     ops=None,
     shapes=None,
@@ -159,13 +179,18 @@ def run(
     output: Path = DEFAULT_OUTPUT,
     plots: bool = True,
     write_files: bool = True,
+    progress: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
 ) -> tuple:
-    """Runs the benchmark; returns (rows, metadata, paths written)."""
+    """Runs the benchmark; returns (rows, metadata, paths written). With ``write_files``, the
+    output folder is checked before the run and the files written after it; ``progress``
+    receives one line per case."""
+    if write_files:
+        prepare_output(output)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = select_cases(ops, shapes, quick)
     if device == "cpu":
-        print("No GPU here: running the reference and the baselines on the CPU at small stand-in shapes.")
-        print("These are not GPU numbers; GPU numbers need a GPU.\n")
+        print("No GPU here: running the reference and the baselines on the CPU at small stand-in shapes.", file=sys.stderr)
+        print("These are not GPU numbers; GPU numbers need a GPU.\n", file=sys.stderr)
         cases = [cpu_case(case) for case in cases]
         l2_bytes = 32 << 20
     else:
@@ -174,16 +199,12 @@ def run(
     copy_gbps = max(copy.values())
     wanted = set(backends) if backends else None
     rows = []
-    for case in cases:
-        print(f"{case.op}  {case.model}  {case.shape}", flush=True)
+    for number, case in enumerate(cases, 1):
+        progress(f"[{number:2}/{len(cases)}] {case.op}  {case.model}  {case.shape}")
         rows += run_case(case, device, dtype, wanted, l2_bytes)
         if device != "cpu":
             torch.cuda.empty_cache()
     report.add_derived(rows, copy_gbps)
     info = metadata(device, copy_gbps, l2_bytes, quick)
     info["copy_gbps_by_method"] = copy
-    paths = []
-    if write_files:
-        stem = f"{report.slug(info['device'])}_{info['date']}" + ("_quick" if quick else "")
-        paths = report.write(rows, info, Path(output), stem, plots)
-    return rows, info, paths
+    return rows, info, write(rows, info, output, plots) if write_files else []
