@@ -1,0 +1,239 @@
+"""ditops.integrations.diffusers inside diffusers' deployment features, on CPU with tiny
+random-weight models: the attention processor contract (backend and parallel config), hooks
+registered before and after ``apply``, the Wan block on a sequence shard, layerwise casting,
+group offloading, accelerate's CPU offloads and regional compilation. Context parallelism on
+two processes is in test_diffusers_context_parallel.py."""
+
+import warnings
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+integration = pytest.importorskip("ditops.integrations.diffusers")
+
+from diffusers.hooks import HookRegistry, ModelHook  # noqa: E402
+from test_diffusers_integration import TOLERANCE, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image  # noqa: E402
+
+BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": tiny_z_image}
+FIRST_BLOCK = {"flux": "transformer_blocks.0", "wan": "blocks.0", "qwen-image": "transformer_blocks.0",
+               "z-image": "layers.0"}
+DIFFUSERS_MODULES = ("transformer_flux", "transformer_wan", "transformer_qwenimage", "transformer_z_image")
+
+
+def run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        sample = model(**inputs, return_dict=False)[0]
+    return torch.stack(sample) if isinstance(sample, list) else sample  # Z-Image: one per image
+
+
+def assert_close_to(patched, expected, blocks):
+    tolerance = TOLERANCE[torch.float32] * blocks
+    torch.testing.assert_close(patched, expected, atol=tolerance, rtol=tolerance)
+
+
+def attention_calls(monkeypatch) -> list:
+    """Every dispatch_attention_fn call of the model's processors and of ditops', as its
+    (backend, parallel_config); the attention itself runs without a parallel config."""
+    import diffusers.models.attention_dispatch as dispatch
+
+    calls, original = [], dispatch.dispatch_attention_fn
+
+    def recorded(*args, backend=None, parallel_config=None, **kwargs):
+        calls.append((backend, parallel_config))
+        return original(*args, backend=backend, parallel_config=None, **kwargs)
+
+    monkeypatch.setattr(dispatch, "dispatch_attention_fn", recorded)
+    for name in DIFFUSERS_MODULES:  # diffusers' processors imported it by name
+        monkeypatch.setattr(f"diffusers.models.transformers.{name}.dispatch_attention_fn", recorded)
+    return calls
+
+
+def set_parallel_config(model, config) -> None:
+    """What enable_parallelism does to the processors (models/modeling_utils.py, diffusers
+    0.42): every attention processor that has a _parallel_config attribute gets the config.
+    The rest of enable_parallelism needs torch.distributed; the two-process test runs it."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention, MochiAttention
+
+    for module in model.modules():
+        if (isinstance(module, (Attention, MochiAttention, AttentionModuleMixin))
+                and hasattr(module.processor, "_parallel_config")):
+            module.processor._parallel_config = config
+
+
+@pytest.mark.parametrize("order", ["apply first", "configure first"])
+@pytest.mark.parametrize("name", BUILDERS)
+def test_the_attention_backend_and_parallel_config_reach_every_attention_call(name, order, monkeypatch):
+    """Each attention call gets the backend and the parallel config exactly as in the unpatched
+    model (Wan's cross-attention runs without the config there too), whichever came first."""
+    config = object()  # a recorded marker: the attention runs without it
+    calls = attention_calls(monkeypatch)
+    model, inputs, blocks = BUILDERS[name](torch.float32)
+    model.set_attention_backend("native")
+    set_parallel_config(model, config)
+    expected = run(model, inputs)
+    expected_calls = [(backend, got is config) for backend, got in calls]
+    calls.clear()
+
+    model, inputs, blocks = BUILDERS[name](torch.float32)
+    if order == "configure first":
+        model.set_attention_backend("native")
+        set_parallel_config(model, config)
+    integration.apply(model)
+    if order == "apply first":
+        model.set_attention_backend("native")
+        set_parallel_config(model, config)
+    assert_close_to(run(model, inputs), expected, blocks)
+    assert [(backend, got is config) for backend, got in calls] == expected_calls
+    assert any(with_config for _, with_config in expected_calls)
+    ditops_processors = [m.processor for m in model.modules()
+                         if isinstance(getattr(m, "processor", None), integration.patching.DitopsProcessor)]
+    assert ditops_processors and all(p._parallel_config is config for p in ditops_processors)
+    integration.remove(model)  # the processors put back hold what was set meanwhile
+    assert all(m.processor._parallel_config is config and m.processor._attention_backend == "native"
+               for m in model.modules() if hasattr(m, "processor"))
+
+
+class CountingHook(ModelHook):
+    """Counts forwards and scales the first input by 1.5: a hook whose effect shows in the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls += 1
+        if args:
+            return (args[0] * 1.5,) + args[1:], kwargs
+        first = next(iter(kwargs))
+        return args, {**kwargs, first: kwargs[first] * 1.5}
+
+
+def register(module, name) -> CountingHook:
+    hook = CountingHook()
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
+    return hook
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_hooks_registered_before_and_after_apply_run_and_stay_after_remove(name):
+    model, inputs, blocks = BUILDERS[name](torch.float32)
+    block = model.get_submodule(FIRST_BLOCK[name])
+    before = register(block, "before")
+    register(block, "after")
+    expected = run(model, inputs)  # both hooks, no ditops
+    HookRegistry.check_if_exists_or_initialize(block).remove_hook("after")
+
+    integration.apply(model)
+    after = register(block, "after")
+    before.calls = 0
+    assert_close_to(run(model, inputs), expected, blocks)
+    assert before.calls == after.calls == 1
+
+    integration.remove(model)
+    assert torch.equal(run(model, inputs), expected)
+    assert before.calls == after.calls == 2
+    registry = HookRegistry.check_if_exists_or_initialize(block)
+    registry.remove_hook("after")
+    registry.remove_hook("before")
+    assert block.forward.__func__ is type(block).forward  # nothing of ditops left in the chain
+
+
+def test_remove_finds_its_forward_under_hooks_registered_after_apply():
+    model, inputs, _ = tiny_flux(torch.float32)
+    expected = run(model, inputs)
+    integration.apply(model)
+    block = model.transformer_blocks[0]
+    hook = register(block, "after")
+    integration.remove(model)
+    assert block._diffusers_hook._fn_refs[0].forward.__func__ is type(block).forward
+    hook.calls = 0
+    HookRegistry.check_if_exists_or_initialize(block).remove_hook("after")
+    assert torch.equal(run(model, inputs), expected) and hook.calls == 0
+
+
+@pytest.mark.parametrize("name, module", [("flux", "transformer_blocks.0.norm2"), ("flux", "transformer_blocks.1.attn.norm_k"),
+                                          ("wan", "blocks.0.attn1.norm_q"), ("qwen-image", "transformer_blocks.0.img_norm2"),
+                                          ("z-image", "layers.1.ffn_norm1")])
+def test_a_hook_on_a_fused_norm_sends_the_call_back_to_diffusers_and_runs(name, module):
+    model, inputs, blocks = BUILDERS[name](torch.float32)
+    norm = model.get_submodule(module)
+    hook = register(norm, "count")
+    expected, expected_calls = run(model, inputs), hook.calls
+    integration.apply(model)
+    with pytest.warns(UserWarning, match=f"{module.split('.')[-1]} has diffusers hook\\(s\\) count"):
+        patched = run(model, inputs)
+    assert_close_to(patched, expected, blocks)
+    assert hook.calls == 2 * expected_calls
+
+
+def test_the_wan_block_on_half_the_sequence_with_the_shard_tables_matches_diffusers():
+    """Context parallelism hands each block a shard of the tokens and the rows of the RoPE
+    tables for that shard (diffusers' _cp_plan splits the rope outputs): the second half here."""
+    model, inputs, _ = tiny_wan(torch.float32)
+    block = model.blocks[0]
+    generator = torch.Generator().manual_seed(2)
+    tokens, width = 48, model.config.num_attention_heads * model.config.attention_head_dim
+    with torch.no_grad():
+        cos, sin = model.rope(inputs["hidden_states"])  # [1, S, 1, Dh] for the S = 48 tokens
+        shard = slice(tokens // 2, tokens)
+        arguments = (torch.randn(2, tokens // 2, width, generator=generator),
+                     torch.randn(2, 7, width, generator=generator),
+                     torch.randn(2, 6, width, generator=generator), (cos[:, shard], sin[:, shard]))
+        expected = block(*arguments)
+        integration.apply(model)
+        patched = block(*arguments)
+    assert_close_to(patched, expected, 1)
+
+
+def test_layerwise_casting_gives_the_unpatched_result():
+    """float8 storage, float32 compute; with the default skip patterns and with none."""
+    for skip in (None, ()):
+        reference, inputs, blocks = tiny_wan(torch.float32)
+        model, _, _ = tiny_wan(torch.float32)
+        options = {} if skip is None else {"skip_modules_pattern": skip}
+        for m in (reference, model):
+            m.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32, **options)
+        integration.apply(model)
+        assert_close_to(run(model, inputs), run(reference, inputs), blocks)
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_group_offloading_gives_the_unpatched_result(offload_type):
+    model, inputs, blocks = tiny_flux(torch.float32)
+    expected = run(model, inputs)
+    integration.apply(model)
+    options = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    model.enable_group_offload(torch.device("cpu"), offload_type=offload_type, **options)
+    assert_close_to(run(model, inputs), expected, blocks)
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential"])
+def test_accelerate_cpu_offload_gives_the_unpatched_result(mode):
+    """What a pipeline's enable_model_cpu_offload / enable_sequential_cpu_offload put on the
+    transformer, with CPU as the execution device: sequential offload keeps the weights on the
+    meta device outside their module's hook, so a ditops forward that read them directly
+    would fail; the hooks send those calls back to diffusers' code."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (diffusers' CPU offload uses it)")
+    for name in ("flux", "wan"):
+        model, inputs, blocks = BUILDERS[name](torch.float32)
+        expected = run(model, inputs)
+        integration.apply(model)
+        if mode == "model":
+            accelerate.cpu_offload_with_hook(model, execution_device=torch.device("cpu"))
+        else:
+            accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warnings naming the hooks
+            assert_close_to(run(model, inputs), expected, blocks)
+
+
+def test_regional_compilation_of_the_patched_model_runs_the_ops_in_one_graph_per_block():
+    model, inputs, blocks = tiny_flux(torch.float32)
+    expected = run(model, inputs)
+    integration.apply(model)
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")  # traced by dynamo: a graph break raises
+    assert_close_to(run(model, inputs), expected, blocks)
+    assert all(block._compiled_call_impl is not None for block in model.transformer_blocks)
