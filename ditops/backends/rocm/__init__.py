@@ -12,6 +12,7 @@ from typing import Optional
 
 from ...dispatch.device import DeviceInfo
 from ..compiled import CompiledOps
+from . import hiprtc
 from .driver import bind, launch
 
 

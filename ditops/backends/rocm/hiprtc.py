@@ -114,7 +114,7 @@ def _point_hip_python_at(path: str) -> None:
 def load_error() -> Optional[str]:
     """None once hiprtc answers through hip-python in this process, else why it cannot."""
     try:
-        from hip import hiprtc  # noqa: F401
+        from hip import hiprtc  # noqa: F401  (is hip-python installed at all)
     except ImportError as error:
         return f"needs hip-python (pip install 'ditops[rocm]'): {error}"
     try:
