@@ -60,6 +60,7 @@ class Plan(NamedTuple):
 
     implementation: Optional[Implementation]
     launch: Callable[[tuple], None]
+    check_values: Optional[Callable] = None  # (*arguments): the checks that read pointers or values, every call
 
 
 def _nothing(values: tuple) -> None:
@@ -94,7 +95,7 @@ class Op:
     check: Callable  # (*arguments, describe_call=True) -> Features, or None for an empty input
     outputs: Callable  # (*arguments) -> tuple of new tensors for the backend to fill
     schema: str  # torch.library schema, (a!) marking what is written in place; its last argument is the backend override
-    check_values: Optional[Callable] = None  # (*arguments): checks that read values or pointers, run on every call
+    check_values: Optional[Callable] = None  # (*arguments) -> the plan's per-call check (*arguments), see Plan
 
     @property
     def in_place(self) -> bool:
@@ -121,17 +122,18 @@ class Op:
         if features is None:
             return Plan(None, _nothing)
         implementation = select(self.name, features, backend)
-        if self.check_values is not None:  # the plan's launcher may run a first call: check it first
-            self.check_values(*arguments)
+        check = self.check_values(*arguments) if self.check_values is not None else None
+        if check is not None:  # building the launcher may launch (a first compile): check the call first
+            check(*arguments)
         values = arguments + self.outputs(*arguments)
         device_index = values[0].get_device()
-        return Plan(implementation, _launcher(implementation, values, device_index))
+        return Plan(implementation, _launcher(implementation, values, device_index), check)
 
     def run(self, arguments: tuple, backend: Optional[str]) -> tuple:
         """The eager path: what the registered op does too."""
         plan = self.plan(arguments, backend)
-        if self.check_values is not None:
-            self.check_values(*arguments)
+        if plan.check_values is not None:
+            plan.check_values(*arguments)
         outputs = self.outputs(*arguments)
         plan.launch(arguments + outputs)
         return outputs
@@ -373,15 +375,23 @@ def _check_rope(
         )
 
 
-def _qk_norm_rope_values(q, k, q_weight, k_weight, cos_sin_cache, positions, *_):
-    validation.position_values("qk_norm_rope_", positions, cos_sin_cache)
-    read = dict(q_weight=q_weight, k_weight=k_weight, cos_sin_cache=cos_sin_cache, positions=positions)
-    validation.in_place_aliasing("qk_norm_rope_", q, k, read)
+def _in_place_checks(op: str, read_names: tuple) -> Callable:
+    """The per-call checks of an in-place op (q, k, then the tensors it reads): positions
+    within the cache, and no memory shared with what it writes (validation.InPlaceAliasing,
+    whose spans are fixed per plan)."""
 
+    def for_plan(q, k, *rest):
+        read = dict(zip(read_names, rest))
+        aliasing = validation.InPlaceAliasing(op, q, k, read)
 
-def _rope_values(q, k, cos_sin_cache, positions, *_):
-    validation.position_values("rope_", positions, cos_sin_cache)
-    validation.in_place_aliasing("rope_", q, k, dict(cos_sin_cache=cos_sin_cache, positions=positions))
+        def check(q, k, *rest):
+            read = dict(zip(read_names, rest))
+            validation.position_values(op, read["positions"], read["cos_sin_cache"])
+            aliasing.check(q, k, read)
+
+        return check
+
+    return for_plan
 
 
 def _one_like_x(x, *_):
@@ -450,14 +460,14 @@ OPS = {
             _in_place,
             f"(Tensor(a!) q, Tensor(b!) k, Tensor? q_weight, Tensor? k_weight, {_ROPE}, float eps, SymInt position_offset, "
             "str? backend) -> ()",
-            check_values=_qk_norm_rope_values,
+            check_values=_in_place_checks("qk_norm_rope_", ("q_weight", "k_weight", "cos_sin_cache", "positions")),
         ),
         Op(
             "rope_",
             _check_rope,
             _in_place,
             f"(Tensor(a!) q, Tensor(b!)? k, {_ROPE}, SymInt position_offset, str? backend) -> ()",
-            check_values=_rope_values,
+            check_values=_in_place_checks("rope_", ("cos_sin_cache", "positions")),
         ),
     )
 }

@@ -256,48 +256,63 @@ def position_values(op: str, positions, cos_sin_cache) -> None:
             fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {rows}) (rows of cos_sin_cache)")
 
 
-def _byte_range(t: torch.Tensor) -> tuple:
-    start = t.data_ptr()
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return start, start + (last + 1) * t.element_size()
+def _byte_span(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (0 when empty)."""
+    if not t.numel():
+        return 0
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def _disjoint_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """q and k as the head blocks of one fused buffer (FLUX's [T, 3, H, Dh] qkv, say): equal
-    token (and batch) strides, and k's heads after or before q's within every token row."""
-    if q.stride()[:-2] != k.stride()[:-2] or q.element_size() != k.element_size():
-        return False
-    token_stride = q.stride(-3)
-    if q.dim() == 4 and q.shape[0] > 1 and q.stride(0) % token_stride:
-        return False
-    offset = (k.data_ptr() - q.data_ptr()) // q.element_size()
-    q_span, k_span = q.shape[-2] * q.shape[-1], k.shape[-2] * k.shape[-1]
-    if offset >= 0:
-        return offset >= q_span and offset + k_span <= token_stride
-    return -offset >= k_span and -offset + q_span <= token_stride
-
-
-def in_place_aliasing(op: str, q: torch.Tensor, k: Optional[torch.Tensor], read: dict) -> None:
+class InPlaceAliasing:
     """What an in-place op writes (q, k) must not share memory with the other one or with
     anything it reads: the kernels read each head once and write it back, so a shared
     location would be read after it was written (``rope_(q, q, ...)`` would rotate twice).
-    Reads data pointers, not values: runs on every call, before anything is written."""
-    if not q.numel():
-        return
-    q_range = _byte_range(q)
-    written = [("q", q, q_range)]
-    if k is not None and k.numel():
-        k_range = _byte_range(k)
-        if q_range[0] < k_range[1] and k_range[0] < q_range[1] and not _disjoint_heads(q, k):
-            fail(op, "k", "shares memory with q", "a tensor disjoint from q (q and k are both written)")
-        written.append(("k", k, k_range))
-    for name, t in read.items():
-        if t is None or not t.numel():
-            continue
-        start, end = _byte_range(t)
-        for written_name, _, (written_start, written_end) in written:
-            if start < written_end and written_start < end:
-                fail(op, name, f"shares memory with {written_name}", f"a tensor disjoint from {written_name}, which this op writes")
+    The spans come from shapes and strides, fixed for a launch plan; ``check`` reads only
+    data pointers on each call, before anything is written.
+
+    q and k may share one buffer as the head blocks of a fused projection (FLUX's
+    [T, 3, H, Dh] qkv): equal token and batch strides, and k's heads after or before q's
+    within every token row."""
+
+    def __init__(self, op: str, q: torch.Tensor, k: Optional[torch.Tensor], read: dict):
+        self.op = op
+        self.q_span = _byte_span(q)
+        self.k_span = _byte_span(k) if k is not None else 0
+        self.read_spans = {name: _byte_span(t) for name, t in read.items() if t is not None}
+        self.row_window = None  # (q heads' bytes, k heads' bytes, token stride in bytes) when rows may interleave
+        if k is not None and q.stride()[:-2] == k.stride()[:-2] and q.dim() >= 3:
+            token_stride = q.stride(-3) * q.element_size()
+            batches_align = q.dim() == 3 or q.shape[0] == 1 or q.stride(0) % q.stride(-3) == 0
+            if batches_align:
+                head_bytes = q.shape[-1] * q.element_size()
+                self.row_window = (q.shape[-2] * head_bytes, k.shape[-2] * head_bytes, token_stride)
+
+    def check(self, q: torch.Tensor, k: Optional[torch.Tensor], read: dict) -> None:
+        if not self.q_span:
+            return
+        q_start = q.data_ptr()
+        written = [("q", q_start, self.q_span)]
+        if self.k_span:
+            k_start = k.data_ptr()
+            offset = k_start - q_start
+            if -self.k_span < offset < self.q_span and not self._rows_disjoint(offset):
+                fail(self.op, "k", "shares memory with q", "a tensor disjoint from q (q and k are both written)")
+            written.append(("k", k_start, self.k_span))
+        for name, span in self.read_spans.items():
+            if span:
+                start = read[name].data_ptr()
+                for written_name, written_start, written_span in written:
+                    if start < written_start + written_span and written_start < start + span:
+                        fail(self.op, name, f"shares memory with {written_name}",
+                             f"a tensor disjoint from {written_name}, which this op writes")
+
+    def _rows_disjoint(self, offset: int) -> bool:
+        if self.row_window is None:
+            return False
+        q_bytes, k_bytes, token_stride = self.row_window
+        if offset >= 0:
+            return offset >= q_bytes and offset + k_bytes <= token_stride
+        return -offset >= k_bytes and -offset + q_bytes <= token_stride
 
 
 def debug_checks() -> bool:

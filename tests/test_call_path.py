@@ -1,0 +1,160 @@
+"""The eager call path (ditops/ops.py): one launch plan per call signature, what invalidates
+it, the per-call checks that stay per call, and in-place arguments that share memory."""
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+import ditops
+from ditops import dispatch, ops
+from ditops.dispatch import simulated_device
+from ditops.examples import example_arguments
+from ditops.ops import OPS
+
+
+def _plans():
+    return dispatch.selector.dispatcher().plans
+
+
+@pytest.fixture
+def counted_checks(monkeypatch):
+    """Counts validations (plan builds) of norm_scale_shift."""
+    counts = []
+    op = OPS["norm_scale_shift"]
+    original = op.check
+
+    def counting(*arguments, **keywords):
+        counts.append(1)
+        return original(*arguments, **keywords)
+
+    monkeypatch.setitem(OPS, "norm_scale_shift", ops.Op(op.name, counting, op.outputs, op.schema, op.check_values))
+    return counts
+
+
+def test_a_cached_call_skips_validation_and_selection(counted_checks):
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    first = ditops.norm_scale_shift(**arguments)
+    second = ditops.norm_scale_shift(**arguments)
+    assert len(counted_checks) == 1
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_a_changed_signature_builds_a_new_plan(counted_checks):
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    ditops.norm_scale_shift(**arguments)
+    ditops.norm_scale_shift(**dict(arguments, x=torch.randn(2, 6, 64)))  # another shape
+    ditops.norm_scale_shift(**dict(arguments, x=torch.randn(2, 5, 64)))  # new tensors of the same signature: cached
+    ditops.norm_scale_shift(**dict(arguments, eps=1e-5))  # another non-tensor argument
+    ditops.norm_scale_shift(**dict(arguments, x=arguments["x"].double()))  # another dtype
+    assert len(counted_checks) == 4
+
+
+def test_a_changed_override_builds_a_new_plan_and_is_obeyed(counted_checks, monkeypatch):
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    ditops.norm_scale_shift(**arguments)
+    with ditops.use_backend("nosuchbackend"):
+        with pytest.raises(ditops.BackendUnavailable, match="nosuchbackend"):
+            ditops.norm_scale_shift(**arguments)
+    with pytest.raises(ditops.BackendUnavailable, match="nosuchbackend"):
+        ditops.norm_scale_shift(**arguments, backend="nosuchbackend")
+    monkeypatch.setenv("DITOPS_BACKEND", "nosuchbackend")
+    dispatch.reset()  # the environment is read when the dispatcher (re)loads, which drops every plan
+    assert not _plans()
+    with pytest.raises(ditops.BackendUnavailable, match="nosuchbackend"):
+        ditops.norm_scale_shift(**arguments)
+
+
+def test_bad_input_fails_validation_after_a_good_call_was_cached():
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    ditops.norm_scale_shift(**arguments)
+    with pytest.raises(ValueError, match="scale"):
+        ditops.norm_scale_shift(**dict(arguments, scale=torch.randn(3, 64)))
+    with pytest.raises(ValueError, match="eps"):
+        ditops.norm_scale_shift(**dict(arguments, eps=True))
+
+
+def test_value_checks_run_on_every_call():
+    """Positions are checked on CPU on every call, with the plan cached from a valid call."""
+    arguments = example_arguments("rope_", (6, 2, 32), torch.float32)
+    positions = torch.arange(6)
+    ditops.rope_(**dict(arguments, positions=positions))
+    q_before = arguments["q"].clone()
+    with pytest.raises(ValueError, match="positions"):
+        ditops.rope_(**dict(arguments, positions=positions + 10_000))
+    assert torch.equal(arguments["q"], q_before)  # nothing written by the refused call
+
+
+def test_the_plan_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(ops, "MAX_PLANS", 8)
+    for tokens in range(1, 30):
+        ditops.norm_scale_shift(**example_arguments("norm_scale_shift", (1, tokens, 16), torch.float32))
+    assert len(_plans()) == 8
+
+
+def test_threads_share_plans_and_get_their_own_results():
+    inputs = [example_arguments("norm_scale_shift", (1, 3 + i % 4, 32), torch.float32, seed=i) for i in range(16)]
+    expected = [ditops.norm_scale_shift(**arguments, backend="reference") for arguments in inputs]
+    results = [None] * len(inputs)
+
+    def work(i):
+        for _ in range(20):
+            results[i] = ditops.norm_scale_shift(**inputs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result, wanted in zip(results, expected):
+        torch.testing.assert_close(result, wanted, rtol=0, atol=0)
+
+
+# In-place arguments that share memory: refused before anything is written, on every backend.
+
+BACKENDS_ON_CPU = [("reference", None), ("triton", "sm_90")]
+
+
+@pytest.mark.parametrize("backend, simulated", BACKENDS_ON_CPU, ids=[b for b, _ in BACKENDS_ON_CPU])
+@pytest.mark.parametrize("op", ["rope_", "qk_norm_rope_"])
+@pytest.mark.parametrize("sharing", ["k is q", "k overlaps q"])
+def test_q_and_k_that_share_memory_are_refused(op, backend, simulated, sharing):
+    arguments = example_arguments(op, (6, 2, 32), torch.float32)
+    if sharing == "k is q":
+        q = k = arguments["q"]
+    else:
+        shape = arguments["q"].shape
+        base = torch.randn(arguments["q"].numel() + 16)
+        q, k = base[: -16].view(shape), base[16:].view(shape)
+    q_before = q.clone()
+    with simulated_device(simulated) if simulated else contextlib.nullcontext():
+        with pytest.raises(ValueError, match="shares memory with q"):
+            getattr(ditops, op)(**dict(arguments, q=q, k=k), backend=backend)
+    assert torch.equal(q, q_before)
+
+
+@pytest.mark.parametrize("op", ["rope_", "qk_norm_rope_"])
+def test_q_and_k_as_head_blocks_of_one_fused_buffer_are_accepted(op):
+    arguments = example_arguments(op, (2, 6, 4, 32), torch.float32)
+    qkv = torch.randn(2, 6, 3, 4, 32)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    expected_q, expected_k = q.clone(), k.clone()
+    getattr(ditops, op)(**dict(arguments, q=expected_q, k=expected_k), backend="reference")
+    getattr(ditops, op)(**dict(arguments, q=q, k=k))
+    torch.testing.assert_close(q, expected_q, rtol=0, atol=0)
+    torch.testing.assert_close(k, expected_k, rtol=0, atol=0)
+
+
+def test_a_weight_that_is_a_view_of_q_is_refused():
+    arguments = example_arguments("qk_norm_rope_", (6, 2, 32), torch.float32)
+    q = arguments["q"]
+    with pytest.raises(ValueError, match="q_weight shares memory with q"):
+        ditops.qk_norm_rope_(**dict(arguments, q_weight=q[0, 0]))
+
+
+def test_an_in_place_tensor_that_aliases_itself_is_refused():
+    cache = ditops.rope_cos_sin_cache(8, 32)
+    overlapping = torch.randn(8 * 32 * 4).as_strided((8, 4, 32), (16, 32, 1))  # tokens overlap heads
+    with pytest.raises(ValueError, match="alias some of its elements"):
+        ditops.rope_(overlapping, None, cache)
