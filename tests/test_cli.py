@@ -187,3 +187,19 @@ def test_console_script_check_fails_on_a_broken_backend():
 def test_console_script_is_installed():
     result = subprocess.run(["ditops", "info"], capture_output=True, text=True)
     assert result.returncode == 0 and "reference  available" in result.stdout
+
+
+README = TESTS.parent / "README.md"
+
+
+def test_readme_explain_sample_is_the_real_output(capsys):
+    """The README's `ditops explain` sample (after its `<!-- sample -->` marker) must be what the command prints."""
+    text = README.read_text()
+    marker = "<!-- sample: checked against the real output by tests/test_cli.py -->\n```console\n"
+    assert marker in text
+    block = text.split(marker, 1)[1].split("```", 1)[0]
+    command, expected = block.split("\n", 1)
+    assert command.startswith("$ ditops ")
+    code, out = run(capsys, *command.removeprefix("$ ditops ").split())
+    assert code == 0
+    assert out == expected
