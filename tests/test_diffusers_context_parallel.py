@@ -1,0 +1,170 @@
+"""ditops under diffusers' context parallelism (``enable_parallelism``), both orders of
+``apply`` and ``enable_parallelism``: FLUX, Wan and Qwen-Image at tiny widths (Z-Image has no
+context-parallel plan in diffusers 0.42). Each rank's output must match the single-process
+run, and every attention call must get the parallel config exactly where the unpatched model's
+does (Wan's cross-attention runs without it there too).
+
+Under pytest: two CPU processes on gloo, Ulysses degree 2. Ring attention needs an attention
+backend that returns the log-sum-exp, and none of diffusers' does on CPU (native refuses
+``return_lse``), so the ring case is skipped here. On GPUs, the same checks under torchrun:
+
+    torchrun --nproc-per-node 2 tests/test_diffusers_context_parallel.py --parallel ulysses
+    torchrun --nproc-per-node 2 tests/test_diffusers_context_parallel.py --parallel ring --backend _native_cudnn
+"""
+
+import argparse
+import importlib
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+diffusers = pytest.importorskip("diffusers")
+integration = pytest.importorskip("ditops.integrations.diffusers")
+
+sys.path.insert(0, os.path.dirname(__file__))  # the tiny models, also when torchrun runs this file
+from test_diffusers_integration import TOLERANCE, tiny_flux, tiny_qwen, tiny_wan  # noqa: E402
+
+BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen}
+DIFFUSERS_MODULES = ("transformer_flux", "transformer_wan", "transformer_qwenimage")
+
+
+def shardable(name, inputs) -> dict:
+    """The tiny inputs with every sequence the plans split even: FLUX splits its text, Qwen-Image its text mask."""
+    if name == "flux":
+        return {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :4], "txt_ids": inputs["txt_ids"][:4]}
+    if name == "qwen-image":
+        return {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :6],
+                "encoder_hidden_states_mask": inputs["encoder_hidden_states_mask"][:, :6]}
+    return inputs
+
+
+def run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0].float()
+
+
+def record_attention_calls() -> list:
+    """Whether each dispatch_attention_fn call got a parallel config, in call order."""
+    import diffusers.models.attention_dispatch as dispatch
+
+    calls, original = [], dispatch.dispatch_attention_fn
+
+    def recorded(*args, parallel_config=None, **kwargs):
+        calls.append(parallel_config is not None)
+        return original(*args, parallel_config=parallel_config, **kwargs)
+
+    dispatch.dispatch_attention_fn = recorded
+    for name in DIFFUSERS_MODULES:  # diffusers' processors imported it by name
+        setattr(importlib.import_module(f"diffusers.models.transformers.{name}"), "dispatch_attention_fn", recorded)
+    return calls
+
+
+def build(name, device, dtype, backend):
+    model, inputs, blocks = BUILDERS[name](dtype)
+    inputs = {key: value.to(device) if torch.is_tensor(value) else value for key, value in shardable(name, inputs).items()}
+    model = model.to(device)
+    if backend is not None:
+        model.set_attention_backend(backend)
+    return model, inputs, blocks
+
+
+def check(device, dtype, parallel: str, backend) -> list:
+    """On every rank of the initialized process group: each model, both orders. Returns lines to print."""
+    from diffusers import ContextParallelConfig
+
+    calls = record_attention_calls()
+    degree = dist.get_world_size()
+    lines = []
+    for name in BUILDERS:
+        model, inputs, blocks = build(name, device, dtype, backend)
+        expected = run(model, inputs)  # one process, no parallelism
+        config = ContextParallelConfig(**{f"{parallel}_degree": degree})
+        model.enable_parallelism(config=config)
+        calls.clear()
+        baseline = run(model, inputs)  # unpatched, in parallel
+        expected_calls = list(calls)
+        assert any(expected_calls), f"{name}: no attention call got the parallel config without ditops"
+        for order in ("apply first", "enable_parallelism first"):
+            model, inputs, blocks = build(name, device, dtype, backend)
+            if order == "apply first":
+                integration.apply(model)
+            model.enable_parallelism(config=ContextParallelConfig(**{f"{parallel}_degree": degree}))
+            if order == "enable_parallelism first":
+                integration.apply(model)
+            calls.clear()
+            patched = run(model, inputs)
+            assert calls == expected_calls, f"{name}, {order}: calls with the parallel config {calls}, wanted {expected_calls}"
+            tolerance = TOLERANCE[dtype] * blocks
+            torch.testing.assert_close(patched, expected, atol=tolerance, rtol=tolerance,
+                                       msg=lambda message: f"{name}, {order}: {message}")
+            error = ((patched - expected).norm() / expected.norm()).item()
+            baseline_error = ((baseline - expected).norm() / expected.norm()).item()
+            lines.append(f"{name:10} {parallel}{degree} {order:25} cp calls {sum(calls)}/{len(calls)} "
+                         f"rel_err {error:.2e} (unpatched {baseline_error:.2e})")
+    return lines
+
+
+def _cpu_worker(rank: int, port: int, outcomes: str) -> None:
+    """Ulysses, then ring, on gloo; rank 0 writes each one's outcome ("ok" or the error) to ``outcomes``/<mode>."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # diffusers places rank r on accelerator r % count, and a CPU host counts none
+    torch.accelerator.device_count = lambda: 1
+    # diffusers 0.42.1 calls logger.warning_once (Wan's timestep is not split) on a logger without it
+    import diffusers.hooks.context_parallel as context_parallel
+
+    if not hasattr(context_parallel.logger, "warning_once"):
+        context_parallel.logger.warning_once = context_parallel.logger.warning
+    try:
+        for parallel in ("ulysses", "ring"):
+            try:
+                check(torch.device("cpu"), torch.float32, parallel, None)
+                outcome = "ok"
+            except Exception as error:  # noqa: BLE001  (reported to the test, which fails or skips on it)
+                outcome = f"{type(error).__name__}: {error}"
+            if rank == 0:
+                with open(os.path.join(outcomes, parallel), "w") as file:
+                    file.write(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cpu_outcomes(tmp_path_factory) -> dict:
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outcomes = tmp_path_factory.mktemp("context_parallel")
+    torch.multiprocessing.spawn(_cpu_worker, args=(port, str(outcomes)), nprocs=2)
+    return {path.name: path.read_text() for path in outcomes.iterdir()}
+
+
+def test_ulysses_on_two_cpu_processes_matches_one_process_in_both_orders(cpu_outcomes):
+    assert cpu_outcomes["ulysses"] == "ok"
+
+
+def test_ring_on_two_cpu_processes_matches_one_process_in_both_orders(cpu_outcomes):
+    if "return_lse" in cpu_outcomes["ring"]:
+        pytest.skip("ring attention needs an attention backend that returns the log-sum-exp; diffusers' CPU "
+                    f"backend refuses it ({cpu_outcomes['ring']}); run this file under torchrun on GPUs")
+    assert cpu_outcomes["ring"] == "ok"
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N tests/test_diffusers_context_parallel.py ...
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parallel", choices=["ulysses", "ring"], default="ulysses")
+    parser.add_argument("--backend", default=None, help="diffusers attention backend (ring: one that returns LSE, "
+                                                        "e.g. _native_cudnn or flash)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    arguments = parser.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    lines = check(torch.device("cuda", rank), getattr(torch, arguments.dtype), arguments.parallel, arguments.backend)
+    if dist.get_rank() == 0:
+        print("\n".join(lines))
+    dist.destroy_process_group()
