@@ -1,30 +1,36 @@
 """Model-level speed of ditops under diffusers, on the GPU, bf16, random weights (no download).
 
-Blocks at real widths and token counts: one FLUX.1 double block and one single block at
-1024px (4096 image + 512 text tokens, width 3072, 24 heads), one Wan2.1-1.3B block at 480p
-and 81 frames (32760 tokens), one Qwen-Image block at 1024px (4096 image + 512 text tokens),
-one Z-Image layer at 1024px (4096 image + 512 text tokens in one stream, width 3840, 30 heads).
-Each is built inside a one-layer diffusers model (so that ditops.integrations.diffusers.apply
-sees the real classes), fed the inputs the model would give it, and its forward timed four
-ways: eager diffusers, eager + ditops, torch.compile of diffusers, torch.compile + ditops
-(median of CUDA-event timings after warm-up). The patched output is compared with diffusers'.
-Two times per way: one forward on its own (the host's time to issue the block's kernels
-shows, as nothing runs before it), and the time per block of --blocks forwards chained
-back to back, each fed the previous one's output, as the 19 to 60 blocks of a model run
-(the host issues block i+1 while the GPU runs block i). torch.compile compiles the block
-function once and calls it per block, as diffusers' regional compilation does.
-With --profile, each way's chained run also runs under torch.profiler and prints per block:
-wall time, GPU kernel time, kernel count, the host time of each ditops op call, and the
-kernels that took the most GPU time (where a way loses: host-bound gaps or extra kernels).
-Usage: python benchmarks/models.py [--json FILE] [--models flux wan qwen-image z-image] [--profile]
+Blocks at real widths: FLUX.1 (one double and one single block; 512px = 1024 image tokens
+and 1024px = 4096, plus 512 text tokens; width 3072, 24 heads), Wan2.1-1.3B (one block, 480p
+81 frames = 32760 tokens), Qwen-Image (one block, 1024px: 4096 image + 512 text tokens),
+Z-Image (one layer, 1024px: 4096 + 512 tokens, width 3840, 30 heads). Each is built inside a
+one-layer diffusers model (so that ditops.integrations.diffusers.apply sees the real classes)
+and fed what the model would give it. A forward is ``--blocks`` steps chained back to back,
+each fed the previous one's output, as the 19 to 60 blocks of a model run; torch.compile
+compiles the step once and calls it per block, as diffusers' regional compilation does.
+
+Modes: ``eager``, ``compile`` (torch.compile default mode) and ``reduce-overhead`` (CUDA
+graphs). Per model, resolution and mode: ``baseline_ms`` (diffusers) and ``ditops_ms`` per
+forward (median of CUDA-event timings after warm-up), ``speedup``, ``rel_err`` (ditops' output
+vs diffusers' eager output, relative L2), and for compile rows ``replaced_share``: the share
+of the compiled baseline's GPU kernel time spent in the kernels that ditops replaces, from a
+profile (Inductor's generated kernels that hold a norm: layer_norm, rms_norm, var_mean,
+rsqrt, or a RoPE rotation: the cos/sin products of the q/k heads; an estimate from kernel
+names, see ``replaced_kernel``), so the ceiling of a compile row is 1 / (1 - replaced_share).
+
+Writes benchmarks/results/models_<GPU>_<date>.json: {"device", "rows": [...]}.
+Usage: python benchmarks/models.py [--output FILE] [--models flux wan qwen-image z-image] [--modes ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import re
 import statistics
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -56,12 +62,13 @@ def randn(*shape):
 # the model chains them.
 
 
-def flux():
+def flux(resolution: int = 1024):
     from diffusers import FluxTransformer2DModel
 
     model = FluxTransformer2DModel(num_layers=1, num_single_layers=1)  # FLUX.1 widths
+    side = resolution // 16  # 8x VAE, 2x2 patches
     ids = torch.cat([torch.zeros(512, 3), torch.stack(torch.meshgrid(
-        torch.zeros(1), torch.arange(64.0), torch.arange(64.0), indexing="ij"), dim=-1).reshape(-1, 3)]).cuda()
+        torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), indexing="ij"), dim=-1).reshape(-1, 3)]).cuda()
 
     def prepare(model):
         rotary, temb = model.pos_embed(ids), randn(1, 3072)
@@ -72,7 +79,7 @@ def flux():
             context, hidden = model.single_transformer_blocks[0](hidden, context, temb, rotary)
             return hidden, context
 
-        return step, (randn(1, 4096, 3072), randn(1, 512, 3072))
+        return step, (randn(1, side * side, 3072), randn(1, 512, 3072))
     return model, prepare
 
 
@@ -125,6 +132,7 @@ def z_image():
 
 
 MODELS = {"flux": flux, "wan": wan, "qwen-image": qwen_image, "z-image": z_image}
+RESOLUTIONS = {"flux": (512, 1024), "wan": ("480p",), "qwen-image": (1024,), "z-image": (1024,)}
 
 
 def chained(step, state, blocks: int):
@@ -167,57 +175,101 @@ def profile(function, label: str, blocks: int, forwards: int = 3) -> None:
         print(f"    {e.self_device_time_total / 1e3 / per_block:7.3f} ms {e.count / per_block:4g}x {e.key[:90]}")
 
 
-WAYS = ("eager diffusers", "torch.compile diffusers", "eager + ditops", "torch.compile + ditops")
+_NORM_OR_ROPE = re.compile(r"layer_norm|rms_norm|var_mean|rsqrt|native_layer_norm|cos|sin|rope|rotary")
 
 
-def measure(name: str, blocks: int, profiling: bool = False) -> dict:
+def replaced_kernel(name: str) -> bool:
+    """Whether a kernel of the compiled baseline is one that ditops replaces: Inductor names
+    its generated kernels after the ops fused in them."""
+    return name.startswith("triton_") and bool(_NORM_OR_ROPE.search(name))
+
+
+def replaced_share(function) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    function()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        function()
+        torch.cuda.synchronize()
+    kernels = [e for e in trace.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kernels)
+    return sum(e.self_device_time_total for e in kernels if replaced_kernel(e.key)) / total
+
+
+COMPILE = {"eager": None, "compile": {}, "reduce-overhead": {"mode": "reduce-overhead"}}
+
+
+def build(name: str, resolution):
     torch.manual_seed(0)
-    model, prepare = MODELS[name]()
+    model, prepare = MODELS[name](resolution) if name == "flux" else MODELS[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = model.to("cuda", DTYPE).eval()
-    result = {"model": name, "chained blocks": blocks}
-    outputs = {}
+    torch.manual_seed(1)
+    return model, prepare
+
+
+def measure(name: str, resolution, modes: list, blocks: int, profiling: bool) -> list:
+    model, prepare = build(name, resolution)
+    step, state = prepare(model)
+    times, outputs = {}, {}
     with torch.no_grad():
-        torch.manual_seed(1)
-        step, state = prepare(model)
-        for way in WAYS:
-            if way == "eager + ditops":
-                report = integration.apply(model)
-            torch._dynamo.reset()
-            function = torch.compile(step) if way.startswith("torch.compile") else step
-            outputs[way] = function(state)[0]
-            result[f"{way} ms"] = time_ms(lambda: function(state))
-            result[f"{way} ms per chained block"] = time_ms(chained(function, state, blocks)) / blocks
-            if profiling:
-                profile(chained(function, state, blocks), f"{name}, {way}", blocks)
-    expected = outputs["eager diffusers"].float()
-    for way in WAYS[1:]:
-        difference = outputs[way].float() - expected
-        result[f"{way}: max abs difference"] = difference.abs().max().item()
-        result[f"{way}: relative difference"] = (difference.norm() / expected.norm()).item()
-    for timing in ("ms", "ms per chained block"):
-        result[f"eager speedup ({timing})"] = result[f"eager diffusers {timing}"] / result[f"eager + ditops {timing}"]
-        result[f"compile speedup ({timing})"] = (result[f"torch.compile diffusers {timing}"]
-                                                 / result[f"torch.compile + ditops {timing}"])
-    result["replaced"] = [f"{path}: {op}" for path, op in report.replaced]
-    return result
+        for patched in (False, True):
+            if patched:
+                integration.apply(model)
+            for mode in modes:
+                torch._dynamo.reset()
+                if mode == "reduce-overhead":  # one CUDA graph for the chained blocks: a graph's
+                    # outputs are overwritten by its next replay, so blocks cannot each be one
+                    whole = torch.compile(chained(step, state, blocks), **COMPILE[mode])
+                    forward = lambda: (torch.compiler.cudagraph_mark_step_begin(), whole())[1]  # noqa: E731
+                else:
+                    function = step if COMPILE[mode] is None else torch.compile(step, **COMPILE[mode])
+                    forward = chained(function, state, blocks)
+                outputs[patched, mode] = forward()[0].float().clone()
+                times[patched, mode] = time_ms(forward)
+                if mode == "compile" and not patched:
+                    share = replaced_share(forward)
+                if profiling:
+                    profile(forward, f"{name} {resolution}, {mode}, {'ditops' if patched else 'diffusers'}", blocks)
+        integration.remove(model)
+    expected = outputs[False, "eager"]
+    rows = []
+    for mode in modes:
+        difference = outputs[True, mode] - expected
+        row = dict(model=name, resolution=str(resolution), mode=mode, blocks=blocks,
+                   baseline_ms=times[False, mode], ditops_ms=times[True, mode],
+                   speedup=times[False, mode] / times[True, mode],
+                   rel_err=(difference.norm() / expected.norm()).item(),
+                   baseline_rel_err=((outputs[False, mode] - expected).norm() / expected.norm()).item())
+        if mode == "compile":
+            row["replaced_share"] = share
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json")
+    parser.add_argument("--output", help="JSON file (default: benchmarks/results/models_<GPU>_<date>.json)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--blocks", type=int, default=8, help="blocks chained back to back for the steady-state time")
+    parser.add_argument("--modes", nargs="+", default=list(COMPILE), choices=list(COMPILE))
+    parser.add_argument("--blocks", type=int, default=8, help="blocks chained back to back in one forward")
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary of each way")
-    arguments = parser.parse_args()
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(DTYPE), "models": []}
-    for name in arguments.models:
-        results["models"].append(measure(name, arguments.blocks, arguments.profile))
-        print(json.dumps({k: v for k, v in results["models"][-1].items() if k != "replaced"}), flush=True)
-        if arguments.json:
-            with open(arguments.json, "w") as file:
-                json.dump(results, file, indent=1)
+    options = parser.parse_args()
+    device = torch.cuda.get_device_name()
+    short = device.split()[1] if len(device.split()) > 1 else device
+    output = Path(options.output or Path(__file__).parent / "results" / f"models_{short}_{datetime.date.today()}.json")
+    document = dict(device=device, torch=torch.__version__, dtype=str(DTYPE), date=str(datetime.date.today()), rows=[])
+    for name in options.models:
+        for resolution in RESOLUTIONS[name]:
+            for row in measure(name, resolution, options.modes, options.blocks, options.profile):
+                document["rows"].append(row)
+                print(f"{row['model']:10} {row['resolution']:>5} {row['mode']:15} diffusers {row['baseline_ms']:8.3f} ms  "
+                      f"ditops {row['ditops_ms']:8.3f} ms  speedup {row['speedup']:.3f}  rel_err {row['rel_err']:.1e}"
+                      + (f"  replaced_share {row['replaced_share']:.3f}" if "replaced_share" in row else ""), flush=True)
+            output.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -376,18 +376,18 @@ def _check_rope(
 
 
 def _in_place_checks(op: str, read_names: tuple) -> Callable:
-    """The per-call checks of an in-place op (q, k, then the tensors it reads): positions
-    within the cache, and no memory shared with what it writes (validation.InPlaceAliasing,
-    whose spans are fixed per plan)."""
+    """The per-call checks of an in-place op, whose arguments are q, k, then ``read_names``
+    and the rest: positions within the cache, and no memory shared with what it writes
+    (validation.InPlaceAliasing, whose spans are fixed per plan)."""
+    cache_at, positions_at = read_names.index("cos_sin_cache"), read_names.index("positions")
+    count = len(read_names)
 
     def for_plan(q, k, *rest):
-        read = dict(zip(read_names, rest))
-        aliasing = validation.InPlaceAliasing(op, q, k, read)
+        aliasing = validation.InPlaceAliasing(op, q, k, dict(zip(read_names, rest)))
 
         def check(q, k, *rest):
-            read = dict(zip(read_names, rest))
-            validation.position_values(op, read["positions"], read["cos_sin_cache"])
-            aliasing.check(q, k, read)
+            validation.position_values(op, rest[positions_at], rest[cache_at])
+            aliasing.check(q, k, rest[:count])
 
         return check
 

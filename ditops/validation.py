@@ -278,7 +278,7 @@ class InPlaceAliasing:
         self.op = op
         self.q_span = _byte_span(q)
         self.k_span = _byte_span(k) if k is not None else 0
-        self.read_spans = {name: _byte_span(t) for name, t in read.items() if t is not None}
+        self.read_spans = [(name, _byte_span(t) if t is not None else 0) for name, t in read.items()]
         self.row_window = None  # (q heads' bytes, k heads' bytes, token stride in bytes) when rows may interleave
         if k is not None and q.stride()[:-2] == k.stride()[:-2] and q.dim() >= 3:
             token_stride = q.stride(-3) * q.element_size()
@@ -287,7 +287,8 @@ class InPlaceAliasing:
                 head_bytes = q.shape[-1] * q.element_size()
                 self.row_window = (q.shape[-2] * head_bytes, k.shape[-2] * head_bytes, token_stride)
 
-    def check(self, q: torch.Tensor, k: Optional[torch.Tensor], read: dict) -> None:
+    def check(self, q: torch.Tensor, k: Optional[torch.Tensor], read: tuple) -> None:
+        """``read``: the tensors read, in the order of the ``read`` given at construction."""
         if not self.q_span:
             return
         q_start = q.data_ptr()
@@ -298,9 +299,9 @@ class InPlaceAliasing:
             if -self.k_span < offset < self.q_span and not self._rows_disjoint(offset):
                 fail(self.op, "k", "shares memory with q", "a tensor disjoint from q (q and k are both written)")
             written.append(("k", k_start, self.k_span))
-        for name, span in self.read_spans.items():
+        for (name, span), t in zip(self.read_spans, read):
             if span:
-                start = read[name].data_ptr()
+                start = t.data_ptr()
                 for written_name, written_start, written_span in written:
                     if start < written_start + written_span and written_start < start + span:
                         fail(self.op, name, f"shares memory with {written_name}",

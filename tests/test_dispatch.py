@@ -259,13 +259,13 @@ def test_bad_config_is_rejected_and_leaves_the_registry_as_it_was(toy_registry, 
     assert [impl.name for impl in dispatch.dispatcher().implementations["norm_scale_shift"]] == before
 
 
-def test_unimportable_backend_is_refused_with_the_import_error(tmp_path):
+def test_unimportable_backend_is_refused_at_load_with_the_import_error(tmp_path):
+    """A user config's backend that cannot be imported is a typo to report, not a backend to skip."""
     config = tmp_path / "missing.yaml"
     config.write_text("backends:\n  missing:\n    module: no_such_module\nops:\n  rope_: [missing]\n")
-    dispatch.load_config(config)
-    reasons = refusals("rope_", **example_arguments("rope_", (4, 2, 64)))
-    assert reasons["missing"].startswith("cannot import no_such_module: ModuleNotFoundError")
-    assert chosen("rope_", **example_arguments("rope_", (4, 2, 64))) == "reference"
+    with pytest.raises(ValueError, match="cannot import no_such_module: ModuleNotFoundError"):
+        dispatch.load_config(config)
+    assert chosen("rope_", **example_arguments("rope_", (4, 2, 64))) == "reference"  # the config was not applied
 
 
 # Fallback warning and autograd.

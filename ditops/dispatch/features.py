@@ -54,8 +54,8 @@ def describe(
         if t is None:
             continue
         strides = t.stride()
-        # Traced by torch.compile there is no data pointer: storages are taken as aligned
-        address_bits |= t.storage_offset() * t.element_size() if tracing else t.data_ptr()
+        if not tracing:  # traced by torch.compile there is no data pointer: see below
+            address_bits |= t.data_ptr()
         if len(strides) > 1:
             element_size = t.element_size()
             for stride in strides[:-1]:
@@ -66,6 +66,11 @@ def describe(
             requires_grad = True
         if position >= first_param:
             param_dtypes.append(t.dtype)
+    # Under torch.compile tracing, pointers are unknown and taken as aligned (strides still
+    # count). Sound because only the cuda/rocm entries ask for alignment, and those run as
+    # library ops that dispatch again on every call with the real pointers: a misaligned
+    # view still lands on a backend that takes it. Triton, traced into Inductor's code,
+    # accepts any alignment (Inductor specializes the kernel on the pointers it passes).
     alignment = min(address_bits & -address_bits, MAX_ALIGNMENT) if address_bits else MAX_ALIGNMENT
     first = activations[0]
     fields = (

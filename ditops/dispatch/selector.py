@@ -148,15 +148,18 @@ def call_signature(op: str, arguments: tuple, backend: Optional[str]) -> tuple:
     strides, dtype, device, pointer alignment and requires_grad, the other arguments (with
     their types: True and 1 validate differently), grad mode, overrides, simulation.
     Tensor values are not in it: no check depends on them but ``position_values``."""
+    # This runs on every eager call: one flat tuple, each attribute read once. A tensor adds
+    # six entries starting with its torch.Size, anything else two starting with its type,
+    # so the flat sequence still tells the arguments apart.
     state = _dispatcher or dispatcher()
     forced = forced_backend(op, backend)[0] if backend is not None or _scopes.stack or state.env_forced else None
     parts = [op, forced, torch.is_grad_enabled(), device_module._simulation.device]
     for argument in arguments:
         if isinstance(argument, Tensor):
-            pointer_bits = argument.data_ptr() & (MAX_ALIGNMENT - 1)
-            parts.append((argument.shape, argument.stride(), argument.dtype, argument.device, pointer_bits, argument.requires_grad))
+            parts += (argument.shape, argument.stride(), argument.dtype, argument.device,
+                      argument.data_ptr() & (MAX_ALIGNMENT - 1), argument.requires_grad)
         else:
-            parts.append((type(argument), argument))
+            parts += (type(argument), argument)
     return tuple(parts)
 
 
