@@ -193,8 +193,9 @@ class Op:
 
         def body(*arguments):
             outputs = self.outputs(*arguments)
-            features = self.check(*arguments)
-            choose(self.name, features, "triton").function.trace(*arguments, *outputs)
+            trace = next(trace for implementation in dispatcher().implementations[self.name]
+                         if (trace := getattr(implementation.function, "trace", None)) is not None)
+            trace(*arguments, *outputs)
             return outputs[0] if len(outputs) == 1 else outputs
 
         schema = torch._C.parse_schema(self.name + self.schema)

@@ -23,6 +23,7 @@ import threading
 import pytest
 import torch
 
+import ditops
 from ditops import conformance, dispatch
 from ditops.examples import example_arguments
 from ditops.ops import PUBLIC
@@ -53,7 +54,11 @@ def copies(arguments):
 
 
 def results(op, arguments, backend):
-    """The op's outputs (q and k for the in-place ops), called on ``arguments`` as given."""
+    """The op's outputs (q and k for the in-place ops), called on ``arguments`` as given;
+    None where the backend's constraints refuse the call (the cuda backend takes D % 8 == 0
+    and one parameter dtype only): that case is the other backend's."""
+    if ditops.explain(op, **arguments, backend=backend).selected != backend:
+        return None
     result = PUBLIC[op](**arguments, backend=backend)
     if op in ROPE:
         return [arguments["q"], arguments["k"]]
@@ -61,6 +66,8 @@ def results(op, arguments, backend):
 
 
 def bitwise_equal(first, second):
+    if first is None or second is None:
+        return first is second
     return all(conformance._bitwise_equal(a, b) for a, b in zip(first, second)) and len(first) == len(second)
 
 
