@@ -203,6 +203,8 @@ def test_a_rows_output_does_not_depend_on_the_batch(op, backend):
         shape = (total, 8, 128) if op in ROPE else (1, total, 3072)
         arguments = arguments_for(op, shape, dtype, seed=9)
         whole = results(op, copies(arguments), backend)
+        if whole is None:
+            continue
         for rows in (slice(0, 1), slice(0, 7), slice(total - 7, total), slice(1000, 1007)):
             part = results(op, _rows(op, arguments, rows, total), backend)
             axis = 0 if op in ROPE else 1
