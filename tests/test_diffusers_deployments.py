@@ -237,3 +237,27 @@ def test_regional_compilation_of_the_patched_model_runs_the_ops_in_one_graph_per
     model.compile_repeated_blocks(fullgraph=True, backend="eager")  # traced by dynamo: a graph break raises
     assert_close_to(run(model, inputs), expected, blocks)
     assert all(block._compiled_call_impl is not None for block in model.transformer_blocks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: weights move between the CPU and the GPU")
+@pytest.mark.parametrize("mode", ["block_level", "leaf_level", "sequential", "model"])
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_offloading_to_the_gpu_gives_the_unpatched_result(name, mode):
+    model, inputs, blocks = BUILDERS[name](torch.float32)
+    cuda = torch.device("cuda")
+    inputs = {key: value.to(cuda) if torch.is_tensor(value) else value for key, value in inputs.items()}
+    expected = run(model.to(cuda), inputs)
+    model = model.cpu()
+    integration.apply(model)
+    if mode in ("block_level", "leaf_level"):
+        options = {"num_blocks_per_group": 1} if mode == "block_level" else {}
+        model.enable_group_offload(cuda, offload_device=torch.device("cpu"), offload_type=mode, use_stream=True, **options)
+    else:
+        accelerate = pytest.importorskip("accelerate")
+        if mode == "model":
+            accelerate.cpu_offload_with_hook(model, execution_device=cuda)
+        else:
+            accelerate.cpu_offload(model, execution_device=cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warnings naming the hooks
+        assert_close_to(run(model, inputs), expected, blocks)
