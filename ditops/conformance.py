@@ -23,6 +23,7 @@ import torch
 
 from .backends import reference
 from .dispatch import device_info, dispatcher
+from .examples import HeadSpec, RowSpec, build
 from .ops import OPS, PUBLIC, ordered_arguments
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,81 +63,7 @@ class Outcome(NamedTuple):
     detail: str = ""
 
 
-# Input builders.
-
-
-def _random(generator, device, dtype, *shape):
-    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
-
-
-def _activation(generator, device, dtype, shape, layout="contiguous", special_values=False):
-    """x-like tensor: contiguous, a row-strided view of a wider buffer, or a view at storage offset 1;
-    with ``special_values``, its first row holds a NaN and its last row an Inf."""
-    if layout == "strided":
-        t = _random(generator, device, dtype, *shape[:-1], shape[-1] + 24)[..., : shape[-1]]
-    elif layout == "misaligned":
-        t = _random(generator, device, dtype, _count(shape) + 1)[1:].view(shape)
-    else:
-        t = _random(generator, device, dtype, *shape)
-    if special_values:
-        leading = t.dim() - 1
-        t[(0,) * leading + (1,)] = float("nan")
-        t[(-1,) * leading + (2,)] = float("inf")
-    return t
-
-
-def _count(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def _modulation(generator, device, dtype, form, batch, tokens, hidden, frames=3):
-    """One modulation tensor in a form of OPS.md; values around 0.5 so that 1 + scale is not ~1."""
-    rand = lambda *shape: _random(generator, device, dtype, *shape) * 0.5  # noqa: E731
-    if form == "scalar":
-        return rand()
-    if form == "scalar1":
-        return rand(1)
-    if form == "vector":
-        return rand(hidden)
-    if form == "vector3":
-        return rand(1, 1, hidden)
-    if form == "batch":
-        return rand(batch, hidden)
-    if form == "batch_view":  # mod[:, 2] of a [B, 6, D] tensor, as DiTs chunk their modulation
-        return rand(batch, 6, hidden)[:, 2]
-    if form == "batch3":
-        return rand(batch, 1, hidden)
-    if form == "token":
-        return rand(batch, tokens, hidden)
-    if form == "token1":
-        return rand(1, tokens, hidden)
-    if form == "token_expanded":  # a [B, D] vector expanded over tokens: stride 0
-        return rand(batch, 1, hidden).expand(batch, tokens, hidden)
-    if form == "frame":
-        return rand(batch, frames, 1, hidden)
-    raise ValueError(form)
-
-
-@dataclass(frozen=True)
-class RowSpec:
-    """Shape and layout of a norm-op case."""
-
-    batch: int
-    tokens: int
-    hidden: int
-    scale: str = "batch_view"
-    shift: str = "batch_view"
-    gate: Optional[str] = "batch_view"
-    layout: str = "contiguous"
-    norm: str = "layer"
-    param_dtype: Optional[torch.dtype] = None  # None: the activations' dtype (e.g. float32 in Wan)
-    affine: bool = True
-    two_d: bool = False
-    special_values: bool = False  # plant NaN and Inf in x: they must propagate as in the reference
-
+# The cases: specs of ditops/examples.py, the one argument builder.
 
 ROW_SPECS = {
     "wan1.3b-fp32-mod": RowSpec(1, 40, 1536, "batch3", "batch3", "batch3", param_dtype=torch.float32),
@@ -178,60 +105,6 @@ GATE_NORM_SPECS = {
 }
 
 
-def _row_arguments(op: str, spec: RowSpec, dtype, device, generator) -> dict:
-    shape = (spec.tokens, spec.hidden) if spec.two_d else (spec.batch, spec.tokens, spec.hidden)
-    param_dtype = spec.param_dtype or dtype
-    activation = lambda: _activation(generator, device, dtype, shape, spec.layout, spec.special_values)  # noqa: E731
-    mod = lambda form: _modulation(generator, device, param_dtype, form, spec.batch, spec.tokens, spec.hidden)  # noqa: E731
-    affine = lambda: _random(generator, device, param_dtype, spec.hidden) if spec.affine else None  # noqa: E731
-    bias = lambda: affine() if spec.norm == "layer" else None  # noqa: E731
-    if op == "norm_scale_shift":
-        return dict(x=activation(), scale=mod(spec.scale), shift=mod(spec.shift), weight=affine(), bias=bias(), norm=spec.norm)
-    if op == "residual_norm_scale_shift":
-        return dict(
-            x=activation(),
-            residual=activation(),
-            gate=mod(spec.gate) if spec.gate else None,
-            scale=mod(spec.scale),
-            shift=mod(spec.shift),
-            weight=affine(),
-            bias=bias(),
-            norm=spec.norm,
-        )
-    if op in ("norm_scale_shift_select", "residual_norm_scale_shift_select"):
-        index = (torch.rand((spec.batch, spec.tokens), generator=generator) > 0.5).to(device=device, dtype=torch.int64)
-        arguments = dict(x=activation(), index=index)
-        arguments.update({name: mod("batch") for name in ("scale0", "shift0", "gate0", "scale1", "shift1", "gate1")})
-        arguments.update(weight=affine(), bias=bias())
-        if op == "residual_norm_scale_shift_select":
-            arguments.update(residual=activation(), residual_gate=activation())
-        return arguments
-    gate_act = "tanh" if spec.norm == "rms" else None
-    arguments = dict(
-        x=activation(), branch=activation(), gate=mod(spec.gate), weight=affine(), bias=bias(), norm=spec.norm, eps=1e-5, gate_act=gate_act
-    )
-    if op == "add_gate_norm_scale":
-        arguments.update(scale=mod(spec.scale), weight2=affine(), bias2=bias())
-    return arguments
-
-
-@dataclass(frozen=True)
-class HeadSpec:
-    """Shape and layout of a RoPE-op case."""
-
-    leading: tuple  # (T,) or (B, S)
-    q_heads: int
-    k_heads: int
-    head_size: int
-    rotary_dim: Optional[int] = None  # None: Dh
-    interleaved: bool = True
-    positions: Optional[torch.dtype] = None  # None: no positions, rows position_offset + s
-    position_offset: int = 0
-    layout: str = "contiguous"  # or "qkv" (views of one fused buffer), "misaligned"
-    cache_dtype: torch.dtype = torch.float32
-    k_none: bool = False
-
-
 HEAD_SPECS = {
     "flux-image-tokens": HeadSpec((1, 24), 4, 4, 128, position_offset=8),
     "llm-gqa-neox": HeadSpec((33,), 8, 2, 128, interleaved=False, positions=torch.int64),
@@ -250,42 +123,6 @@ HEAD_SPECS = {
 ROPE_ONLY_SPECS = {"k-none": HeadSpec((2, 5), 3, 3, 64, k_none=True)}
 
 
-def _head_arguments(op: str, spec: HeadSpec, dtype, device, generator) -> dict:
-    head_size = spec.head_size
-    q_shape = (*spec.leading, spec.q_heads, head_size)
-    k_shape = (*spec.leading, spec.k_heads, head_size)
-    if spec.layout == "qkv":
-        width = (spec.q_heads + 2 * spec.k_heads) * head_size
-        qkv = _random(generator, device, dtype, *spec.leading, width)
-        q = qkv[..., : spec.q_heads * head_size].unflatten(-1, (spec.q_heads, head_size))
-        k = qkv[..., spec.q_heads * head_size : (spec.q_heads + spec.k_heads) * head_size].unflatten(-1, (spec.k_heads, head_size))
-    else:
-        q = _activation(generator, device, dtype, q_shape, spec.layout)
-        k = _activation(generator, device, dtype, k_shape, spec.layout)
-    rotary_dim = spec.rotary_dim or head_size
-    tokens = spec.leading[-1]
-    rows = spec.position_offset + tokens + 5
-    cache = torch.cat(
-        [torch.cos(angle := torch.rand((rows, rotary_dim // 2), generator=generator, dtype=torch.float64) * 6.3), torch.sin(angle)],
-        dim=1,
-    ).to(device=device, dtype=spec.cache_dtype)
-    positions = None
-    if spec.positions is not None:
-        positions = torch.randint(0, rows, spec.leading, generator=generator).to(device=device, dtype=spec.positions)
-    arguments = dict(
-        q=q,
-        k=None if spec.k_none else k,
-        cos_sin_cache=cache,
-        positions=positions,
-        interleaved=spec.interleaved,
-        rotary_dim=spec.rotary_dim,
-        position_offset=spec.position_offset,
-    )
-    if op == "qk_norm_rope_":
-        arguments.update(q_weight=_random(generator, device, torch.float32, head_size), k_weight=_random(generator, device, dtype, head_size))
-    return arguments
-
-
 def _cases() -> list:
     cases = []
     specs = {
@@ -300,10 +137,10 @@ def _cases() -> list:
         for name, spec in op_specs.items():
             if spec.gate is None and op != "residual_norm_scale_shift":
                 continue
-            cases.append(Case(op, name, lambda dtype, device, g, op=op, spec=spec: _row_arguments(op, spec, dtype, device, g)))
+            cases.append(Case(op, name, lambda dtype, device, g, op=op, spec=spec: build(op, spec, dtype, device, g)))
     for op, op_specs in (("qk_norm_rope_", HEAD_SPECS), ("rope_", {**HEAD_SPECS, **ROPE_ONLY_SPECS})):
         for name, spec in op_specs.items():
-            cases.append(Case(op, name, lambda dtype, device, g, op=op, spec=spec: _head_arguments(op, spec, dtype, device, g)))
+            cases.append(Case(op, name, lambda dtype, device, g, op=op, spec=spec: build(op, spec, dtype, device, g)))
     return cases
 
 

@@ -1,8 +1,9 @@
 """The benchmark cases: each op at the real shapes of OPS.md, plus a small latency case.
 
-Inputs are laid out as the models pass them: modulation as [B, D] or [B, 1, D] views
-of one [B, 6, D] tensor (float32 in Wan, the activations' dtype elsewhere), per-token
-cos/sin caches for multi-axis RoPE, int64 positions for the LLM-style RoPE rows.
+Inputs are laid out as the models pass them (built by ditops/examples.py, the one argument
+builder): modulation as [B, D] or [B, 1, D] views of [B, 6, D] tensors (float32 in Wan, the
+activations' dtype elsewhere), per-token cos/sin caches for multi-axis RoPE, int64 positions
+for the LLM-style RoPE rows.
 ``minimum_bytes`` counts the fewest bytes an op must move: each distinct input element
 read once, each output written once.
 """
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from ..examples import HeadSpec, RowSpec, build
 
 TEXT_TOKENS = 512  # text tokens beside 4096 image tokens at 1024px (FLUX, FLUX.2, Qwen-Image, Z-Image)
 
@@ -26,68 +29,24 @@ class BenchCase:
     quick: bool = False  # part of `ditops bench --quick`
 
 
-def _randn(generator, device, dtype, *shape, scale=1.0):
-    """Random values made on the generator's device (a CPU generator would take seconds at
-    the largest shapes), then moved and cast."""
-    return (torch.randn(shape, generator=generator, device=generator.device) * scale).to(device=device, dtype=dtype)
-
-
 def _rows(op, batch, tokens, hidden, *, modulation_dtype=None, norm="layer", affine=False, per_batch_3d=False):
     """A norm-op case builder; ``per_batch_3d`` gives [B, 1, D] modulation views (Wan) instead of [B, D]."""
-
-    def build(device, dtype, generator):
-        parameter_dtype = modulation_dtype or dtype
-        shape = (batch, tokens, hidden)
-        modulation = _randn(generator, device, parameter_dtype, batch, 6, hidden, scale=0.1)
-        chunk = (lambda i: modulation[:, i : i + 1]) if per_batch_3d else (lambda i: modulation[:, i])
-        weights = {}
-        if affine:
-            weights["weight"] = _randn(generator, device, parameter_dtype, hidden)
-            if norm == "layer":
-                weights["bias"] = _randn(generator, device, parameter_dtype, hidden)
-        x = _randn(generator, device, dtype, *shape)
-        if op == "norm_scale_shift":
-            return dict(x=x, scale=chunk(1), shift=chunk(0), norm=norm, **weights)
-        if op == "residual_norm_scale_shift":
-            residual = _randn(generator, device, dtype, *shape)
-            return dict(x=x, residual=residual, gate=chunk(2), scale=chunk(4), shift=chunk(3), norm=norm, **weights)
-        if op in ("norm_scale_shift_select", "residual_norm_scale_shift_select"):
-            other = _randn(generator, device, parameter_dtype, batch, 6, hidden, scale=0.1)
-            index = torch.zeros(batch, tokens, dtype=torch.int64, device=device)
-            index[:, tokens // 2 :] = 1  # Qwen-Image-Edit: the first half uses set 0, the rest set 1
-            arguments = dict(x=x, index=index, scale0=chunk(1), shift0=chunk(0), gate0=chunk(2))
-            arguments.update(scale1=other[:, 1], shift1=other[:, 0], gate1=other[:, 2], **weights)
-            if op == "residual_norm_scale_shift_select":
-                arguments.update(residual=_randn(generator, device, dtype, *shape), residual_gate=_randn(generator, device, dtype, *shape))
-            return arguments
-        branch = _randn(generator, device, dtype, *shape)
-        arguments = dict(x=x, branch=branch, gate=chunk(2), norm=norm, eps=1e-5, gate_act="tanh", **weights)
-        if op == "add_gate_norm_scale":
-            arguments.update(scale=chunk(1), weight2=weights.get("weight"))
-        return arguments
-
-    return build
+    form = "batch3_view" if per_batch_3d else "batch_view"
+    spec = RowSpec(
+        batch, tokens, hidden, form, form, form, norm=norm, param_dtype=modulation_dtype, affine=affine, index="halves", select_form="batch_view"
+    )
+    return lambda device, dtype, generator: build(op, spec, dtype, device, generator)
 
 
 def _heads(op, tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=False, batch=None):
     """A RoPE-op case builder: q/k [T, H, Dh] (or [B, S, H, Dh] with ``batch``); a per-token
-    float32 cache and no positions (multi-axis RoPE), or a position table and int64 positions."""
-
-    def build(device, dtype, generator):
-        leading = (batch, tokens) if batch else (tokens,)
-        q = _randn(generator, device, dtype, *leading, q_heads, head_size)
-        k = _randn(generator, device, dtype, *leading, k_heads, head_size)
-        table_rows = 2 * tokens if positions else tokens
-        angles = torch.rand((table_rows, head_size // 2), generator=generator, device=generator.device, dtype=torch.float64) * 6.28
-        cache = torch.cat([angles.cos(), angles.sin()], dim=1).to(device=device, dtype=torch.float32)
-        arguments = dict(q=q, k=k, cos_sin_cache=cache, interleaved=interleaved)
-        if positions:
-            arguments["positions"] = torch.randint(0, table_rows, leading, generator=generator, device=generator.device).to(device)
-        if op == "qk_norm_rope_":
-            arguments.update(q_weight=_randn(generator, device, dtype, head_size), k_weight=_randn(generator, device, dtype, head_size))
-        return arguments
-
-    return build
+    float32 cache and no positions (multi-axis RoPE), or int64 positions into the cache; the
+    q/k norm weights in the activations' dtype, as the models hold them."""
+    leading = (batch, tokens) if batch else (tokens,)
+    spec = HeadSpec(
+        leading, q_heads, k_heads, head_size, interleaved=interleaved, positions=torch.int64 if positions else None, weight_dtypes=(None, None)
+    )
+    return lambda device, dtype, generator: build(op, spec, dtype, device, generator)
 
 
 def _norm_cases(op: str) -> list:
