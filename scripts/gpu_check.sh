@@ -30,8 +30,8 @@ echo "memcheck exit $?: $(tail -2 "$OUT/memcheck.txt" | tr '\n' ' ')"
 "$SANITIZER" --tool racecheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py --dtypes bfloat16 > "$OUT/racecheck.txt" 2>&1
 echo "racecheck exit $?: $(tail -3 "$OUT/racecheck.txt" | tr '\n' ' ')"
 
-echo "== dispatch overhead"
-python benchmarks/dispatch_overhead.py --device cuda --json "$OUT/dispatch_overhead_cuda.json" | tail -10
+echo "== call overhead (eager host cost, compiled blocks)"
+python benchmarks/call_overhead.py --output "$OUT/overhead.json" | tail -60
 
 echo "== ditops bench"
 python -m ditops.cli bench --output "$OUT" --no-plots "$@" > "$OUT/bench.log" 2>&1
