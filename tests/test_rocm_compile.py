@@ -1,6 +1,6 @@
 """Every ROCm kernel instance the registry can select compiles for AMD with no GPU: for gfx90a
 through the backend's own path (hiprtc via hip-python), for gfx942 with clang-19 (hiprtc 5.2
-crashes on gfx942; see ../shared/TOOLCHAIN.md). Each must give a real code object: an ELF for
+crashes on gfx942; .ci/run installs the toolchain and says how hiprtc is found). Each must give a real code object: an ELF for
 the AMDGPU machine and that arch, one wave64 kernel per instance, none using scratch memory.
 
 CI installs Debian's ROCm 5.2 and clang-19 and sets DITOPS_REQUIRE_ROCM_TOOLS=1: there a
