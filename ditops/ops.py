@@ -29,9 +29,7 @@ order of its signature, then the new output tensors to write (none for in-place 
 
 from __future__ import annotations
 
-import collections
 import inspect
-import threading
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
