@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -168,19 +169,30 @@ def measure(name: str, parallel: str, arguments, device) -> list:
     rows = []
     for mode in arguments.modes:
         row = {"model": name, "parallel": f"{parallel}{world}", "mode": mode}
-        for variant in ("baseline", "ditops"):
-            if variant == "ditops":
-                integration.apply(model)
-                row["cp_calls"], row["attention_calls"] = count_attention_calls(model, inputs)
-            torch._dynamo.reset()
-            run = torch.compile(model) if mode == "compile" else model
-            output = forward(run, inputs)
-            row[f"{variant}_ms"] = time_ms(lambda: forward(run, inputs), device, arguments.repeats)
-            row["rel_err" if variant == "ditops" else "baseline_rel_err"] = relative_error(output, reference)
+        try:
+            for variant in ("baseline", "ditops"):
+                if variant == "ditops":
+                    integration.apply(model)
+                    row["cp_calls"], row["attention_calls"] = count_attention_calls(model, inputs)
+                torch._dynamo.reset()
+                run = torch.compile(model) if mode == "compile" else model
+                output = forward(run, inputs)
+                row[f"{variant}_ms"] = time_ms(lambda: forward(run, inputs), device, arguments.repeats)
+                row["rel_err" if variant == "ditops" else "baseline_rel_err"] = relative_error(output, reference)
+                integration.remove(model)
+            row["speedup"] = row["baseline_ms"] / row["ditops_ms"]
+        except Exception as error:  # noqa: BLE001  the row says what failed; the other rows still run
             integration.remove(model)
-        row["speedup"] = row["baseline_ms"] / row["ditops_ms"]
+            row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
         rows.append(row)
+        report(row)
     return rows
+
+
+def report(row: dict) -> None:
+    """Each row on stderr as it is measured: a long run that is stopped still shows its rows."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps(row), file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -220,10 +232,7 @@ def main() -> None:
     rows = []
     for name in arguments.models:
         for parallel in (arguments.parallel if world > 1 else ["none"]):
-            try:
-                rows += measure(name, parallel, arguments, device)
-            except ValueError as error:  # e.g. ring on a backend without LSE: the row says why
-                rows.append({"model": name, "parallel": f"{parallel}{world}", "error": str(error)})
+            rows += measure(name, parallel, arguments, device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if rank == 0:

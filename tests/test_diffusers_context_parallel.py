@@ -1,5 +1,5 @@
 """ditops under diffusers' context parallelism (``enable_parallelism``), both orders of
-``apply`` and ``enable_parallelism``: FLUX, Wan and Qwen-Image at tiny widths (Z-Image has no
+``apply`` and ``enable_parallelism``: FLUX, Wan, Qwen-Image and Qwen-Image-Edit at tiny widths (Z-Image has no
 context-parallel plan in diffusers 0.42). Each rank's output must match the single-process
 run, and every attention call must get the parallel config exactly where the unpatched model's
 does (Wan's cross-attention runs without it there too).
@@ -28,7 +28,8 @@ integration = pytest.importorskip("ditops.integrations.diffusers")
 sys.path.insert(0, os.path.dirname(__file__))  # the tiny models, also when torchrun runs this file
 from test_diffusers_integration import TOLERANCE, tiny_flux, tiny_qwen, tiny_wan  # noqa: E402
 
-BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen}
+BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen,
+            "qwen-image-edit": lambda dtype: tiny_qwen(dtype, edit=True)}  # modulate_index split with the tokens
 DIFFUSERS_MODULES = ("transformer_flux", "transformer_wan", "transformer_qwenimage")
 
 
@@ -36,7 +37,7 @@ def shardable(name, inputs) -> dict:
     """The tiny inputs with every sequence the plans split even: FLUX splits its text, Qwen-Image its text mask."""
     if name == "flux":
         return {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :4], "txt_ids": inputs["txt_ids"][:4]}
-    if name == "qwen-image":
+    if name.startswith("qwen-image"):
         return {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :6],
                 "encoder_hidden_states_mask": inputs["encoder_hidden_states_mask"][:, :6]}
     return inputs
