@@ -218,7 +218,8 @@ def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, 
         fail(op, "cos_sin_cache", f"has strides {list(cos_sin_cache.stride())}", "a last dimension of stride 1")
     if not isinstance(interleaved, bool):
         fail(op, "interleaved", f"is {interleaved!r}", "True or False")
-    if not isinstance(position_offset, int) or position_offset < 0:
+    # a SymInt when torch.compile traces with dynamic shapes (e.g. FLUX's text length)
+    if isinstance(position_offset, bool) or not isinstance(position_offset, (int, torch.SymInt)) or position_offset < 0:
         fail(op, "position_offset", f"is {position_offset!r}", "an int >= 0")
     if positions is None:
         tokens = leading[-1]

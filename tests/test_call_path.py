@@ -158,3 +158,39 @@ def test_an_in_place_tensor_that_aliases_itself_is_refused():
     overlapping = torch.randn(8 * 32 * 4).as_strided((8, 4, 32), (16, 32, 1))  # tokens overlap heads
     with pytest.raises(ValueError, match="alias some of its elements"):
         ditops.rope_(overlapping, None, cache)
+
+
+def test_describing_a_call_traces_with_dynamic_shapes():
+    """Under torch.compile with dynamic shapes strides are SymInts. Describing a call must put
+    nothing into the graph that Python cannot run (``0 |= s0`` once broke every compiled GPU
+    graph that recompiled dynamic), and the call is taken as aligned (docs/call-path.md)."""
+    from ditops.dispatch.features import MAX_ALIGNMENT, describe
+
+    def scaled_by_alignment(x, weight):
+        return x * describe((x,), (weight,), hidden_size=x.shape[-1]).alignment
+
+    compiled = torch.compile(scaled_by_alignment, backend="eager", dynamic=True, fullgraph=True)
+    for tokens in (5, 9):
+        x = torch.randn(2, tokens, 12)[..., :7]  # a row-strided view
+        assert torch.equal(compiled(x, torch.randn(7)), x * MAX_ALIGNMENT)
+
+
+@pytest.mark.parametrize("op", ["rope_", "qk_norm_rope_"])
+def test_a_symbolic_position_offset_compiles_like_eager(op):
+    """FLUX passes its text length as position_offset: a SymInt when compiled with dynamic shapes."""
+    arguments = example_arguments(op, (16, 2, 32), torch.float32, seed=3)  # a cache of 16 positions
+    arguments.pop("positions", None)
+    arguments.update(q=arguments["q"][:8], k=arguments["k"][:8])  # 8 tokens after the text
+
+    def rotate(text, q, k):
+        call = {**arguments, "q": q, "k": k, "position_offset": text.shape[0]}
+        ops.PUBLIC[op](**call)
+        return q, k
+
+    compiled = torch.compile(rotate, backend="aot_eager", dynamic=True, fullgraph=True)
+    for text in (3, 5):
+        marker = torch.empty(text)
+        expected = rotate(marker, arguments["q"].clone(), arguments["k"].clone())
+        got = compiled(marker, arguments["q"].clone(), arguments["k"].clone())
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)

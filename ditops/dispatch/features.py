@@ -54,23 +54,24 @@ def describe(
         if t is None:
             continue
         strides = t.stride()
-        if not tracing:  # traced by torch.compile there is no data pointer: see below
+        if not tracing:  # traced by torch.compile there are no data pointers and strides may be symbolic: see below
             address_bits |= t.data_ptr()
-        if len(strides) > 1:
-            element_size = t.element_size()
-            for stride in strides[:-1]:
-                address_bits |= stride * element_size
+            if len(strides) > 1:
+                element_size = t.element_size()
+                for stride in strides[:-1]:
+                    address_bits |= stride * element_size
         if strides and strides[-1] != 1 and t.shape[-1] > 1:
             unit_stride = False
         if grad_enabled and t.requires_grad:
             requires_grad = True
         if position >= first_param:
             param_dtypes.append(t.dtype)
-    # Under torch.compile tracing, pointers are unknown and taken as aligned (strides still
-    # count). Sound because only the cuda/rocm entries ask for alignment, and those run as
-    # library ops that dispatch again on every call with the real pointers: a misaligned
-    # view still lands on a backend that takes it. Triton, traced into Inductor's code,
-    # accepts any alignment (Inductor specializes the kernel on the pointers it passes).
+    # Under torch.compile tracing, pointers are unknown and strides may be symbolic (dynamic
+    # shapes): the call is taken as aligned, with no guard on any stride. Sound because only
+    # the cuda/rocm entries ask for alignment, and those run as library ops that dispatch
+    # again on every call with the real pointers and strides: a misaligned view still lands
+    # on a backend that takes it. Triton, traced into Inductor's code, accepts any alignment
+    # (Inductor specializes the kernel on the pointers it passes).
     alignment = min(address_bits & -address_bits, MAX_ALIGNMENT) if address_bits else MAX_ALIGNMENT
     first = activations[0]
     fields = (
