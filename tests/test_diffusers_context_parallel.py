@@ -73,22 +73,36 @@ def build(name, device, dtype, backend):
     return model, inputs, blocks
 
 
+def relative_error(output, reference) -> float:
+    return ((output - reference).norm() / reference.norm()).item()
+
+
 def check(device, dtype, parallel: str, backend) -> list:
-    """On every rank of the initialized process group: each model, both orders. Returns lines to print."""
+    """On every rank of the initialized process group: each model, both orders. Returns lines to
+    print; raises AssertionError listing every case that failed.
+
+    In float32 each output must match the one-process run elementwise. In bfloat16 the parallel
+    run reorders sums in attention, so the bar is the one the benchmark states: the error
+    against the one-process unpatched run at most 1.5x the larger of the unpatched parallel
+    run's and ditops' own one-process error (whatever ditops rounds differently, the parallel
+    split must not add to it)."""
     from diffusers import ContextParallelConfig
 
     calls = record_attention_calls()
     degree = dist.get_world_size()
-    lines = []
+    lines, failures = [], []
     for name in BUILDERS:
         model, inputs, blocks = build(name, device, dtype, backend)
         expected = run(model, inputs)  # one process, no parallelism
-        config = ContextParallelConfig(**{f"{parallel}_degree": degree})
-        model.enable_parallelism(config=config)
+        integration.apply(model)
+        single_error = relative_error(run(model, inputs), expected)  # ditops in one process
+        integration.remove(model)
+        model.enable_parallelism(config=ContextParallelConfig(**{f"{parallel}_degree": degree}))
         calls.clear()
-        baseline = run(model, inputs)  # unpatched, in parallel
+        baseline_error = relative_error(run(model, inputs), expected)  # unpatched, in parallel
         expected_calls = list(calls)
-        assert any(expected_calls), f"{name}: no attention call got the parallel config without ditops"
+        if not any(expected_calls):
+            failures.append(f"{name}: no attention call got the parallel config without ditops")
         for order in ("apply first", "enable_parallelism first"):
             model, inputs, blocks = build(name, device, dtype, backend)
             if order == "apply first":
@@ -98,14 +112,21 @@ def check(device, dtype, parallel: str, backend) -> list:
                 integration.apply(model)
             calls.clear()
             patched = run(model, inputs)
-            assert calls == expected_calls, f"{name}, {order}: calls with the parallel config {calls}, wanted {expected_calls}"
-            tolerance = TOLERANCE[dtype] * blocks
-            torch.testing.assert_close(patched, expected, atol=tolerance, rtol=tolerance,
-                                       msg=lambda message: f"{name}, {order}: {message}")
-            error = ((patched - expected).norm() / expected.norm()).item()
-            baseline_error = ((baseline - expected).norm() / expected.norm()).item()
-            lines.append(f"{name:10} {parallel}{degree} {order:25} cp calls {sum(calls)}/{len(calls)} "
-                         f"rel_err {error:.2e} (unpatched {baseline_error:.2e})")
+            error = relative_error(patched, expected)
+            lines.append(f"{name:15} {parallel}{degree} {order:25} cp calls {sum(calls)}/{len(calls)} "
+                         f"rel_err {error:.2e} (unpatched parallel {baseline_error:.2e}, ditops one process "
+                         f"{single_error:.2e})")
+            if calls != expected_calls:
+                failures.append(f"{name}, {order}: calls with the parallel config {calls}, wanted {expected_calls}")
+            if dtype == torch.float32:
+                tolerance = TOLERANCE[dtype] * blocks
+                if not torch.allclose(patched, expected, atol=tolerance, rtol=tolerance):
+                    failures.append(f"{name}, {order}: not within {tolerance} of the one-process run (rel_err {error:.2e})")
+            elif not error <= 1.5 * max(baseline_error, single_error):  # also catches NaN
+                failures.append(f"{name}, {order}: rel_err {error:.2e} > 1.5x max(unpatched parallel "
+                                f"{baseline_error:.2e}, ditops one process {single_error:.2e})")
+    if failures:
+        raise AssertionError("\n".join(lines + ["failed:"] + failures))
     return lines
 
 
