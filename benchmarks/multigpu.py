@@ -15,8 +15,9 @@ Parallel settings: ``ulysses<N>`` and ``ring<N>`` (N = the torchrun world size),
 one process (the degree-1 speedup on the same host). Ring attention needs a backend that returns
 the log-sum-exp: ``--backend`` (default ``_native_cudnn``: torch's cuDNN attention, which
 diffusers registers with context-parallel support and LSE; it runs on H100/H200 in bf16) is used
-by every run here, the reference included. Modes: ``eager`` and ``compile`` (torch.compile of the
-whole model, default mode).
+by every run here, the reference included. Modes: ``eager``, ``compile`` (torch.compile of the
+whole model, default mode) and ``regional`` (diffusers' ``compile_repeated_blocks``, not run by
+default: ``python benchmarks/multigpu.py --models flux --modes eager regional``).
 
 Usage:
     torchrun --nproc-per-node 2 benchmarks/multigpu.py          # ulysses2 and ring2
@@ -176,17 +177,27 @@ def measure(name: str, parallel: str, arguments, device) -> list:
                     row["cp_calls"], row["attention_calls"] = count_attention_calls(model, inputs)
                 torch._dynamo.reset()
                 run = torch.compile(model) if mode == "compile" else model
+                if mode == "regional":
+                    model.compile_repeated_blocks()
                 output = forward(run, inputs)
                 row[f"{variant}_ms"] = time_ms(lambda: forward(run, inputs), device, arguments.repeats)
                 row["rel_err" if variant == "ditops" else "baseline_rel_err"] = relative_error(output, reference)
+                uncompile(model)
                 integration.remove(model)
             row["speedup"] = row["baseline_ms"] / row["ditops_ms"]
         except Exception as error:  # noqa: BLE001  the row says what failed; the other rows still run
+            uncompile(model)
             integration.remove(model)
             row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
         rows.append(row)
         report(row)
     return rows
+
+
+def uncompile(model) -> None:
+    """Undoes compile_repeated_blocks: nn.Module.compile keeps its compiled call here, and has no public undo."""
+    for module in model.modules():
+        module._compiled_call_impl = None
 
 
 def report(row: dict) -> None:
@@ -200,7 +211,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--parallel", nargs="+", choices=["ulysses", "ring"], default=["ulysses", "ring"],
                         help="context-parallel kinds when run under torchrun with more than one process")
-    parser.add_argument("--modes", nargs="+", choices=["eager", "compile"], default=["eager", "compile"])
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compile", "regional"], default=["eager", "compile"],
+                        help="regional: diffusers' compile_repeated_blocks (torch.compile of each block)")
     parser.add_argument("--blocks", type=int, default=2, help="double and single blocks (FLUX), blocks (Wan)")
     parser.add_argument("--backend", default=None,
                         help="diffusers attention backend for every run (default _native_cudnn on GPU, native on CPU)")
