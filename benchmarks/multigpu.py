@@ -24,7 +24,7 @@ Usage:
     python benchmarks/multigpu.py                                # none1: the degree-1 speedup
     torchrun --nproc-per-node 2 benchmarks/multigpu.py --tiny   # CPU smoke test on gloo, tiny widths
 Writes benchmarks/results/multigpu_<GPU>x<N>_<date>.json ({"device", "rows"}) unless --tiny
-(printed only) or --output says otherwise.
+(printed only) or --output says otherwise; ``--table FILE`` prints the README's table of a file.
 """
 
 from __future__ import annotations
@@ -206,8 +206,25 @@ def report(row: dict) -> None:
         print(json.dumps(row), file=sys.stderr, flush=True)
 
 
+def table(path: Path) -> str:
+    """The README's table of a results file: one line per row, in file order."""
+    result = json.loads(path.read_text())
+    lines = ["| run | model | parallel | mode | baseline (ms) | ditops (ms) | speedup | rel_err (unpatched) | cp calls |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row.get('run', '')} | {row['model']} | {row['parallel']} | {row.get('mode', '')} | "
+                         f"error: {row['error'][:80]} | | | | |")
+            continue
+        lines.append(f"| {row.get('run', '')} | {row['model']} | {row['parallel']} | {row['mode']} | "
+                     f"{row['baseline_ms']:.2f} | {row['ditops_ms']:.2f} | {row['speedup']:.2f}x | "
+                     f"{row['rel_err']:.1e} ({row['baseline_rel_err']:.1e}) | {row['cp_calls']}/{row['attention_calls']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", type=Path, help="print the markdown table of a results file and exit")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--parallel", nargs="+", choices=["ulysses", "ring"], default=["ulysses", "ring"],
                         help="context-parallel kinds when run under torchrun with more than one process")
@@ -220,6 +237,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny widths, float32, CPU and gloo when no GPU: a smoke test")
     parser.add_argument("--output", type=Path, default=None)
     arguments = parser.parse_args()
+    if arguments.table:
+        print(table(arguments.table))
+        return
     if arguments.blocks < 1:
         parser.error(f"--blocks is {arguments.blocks}; wanted >= 1")
 
