@@ -194,3 +194,37 @@ def test_a_symbolic_position_offset_compiles_like_eager(op):
         got = compiled(marker, arguments["q"].clone(), arguments["k"].clone())
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["backend_function", "bound_launch"])
+def test_a_plan_launches_on_the_tensors_device_whatever_device_is_current(monkeypatch, bound):
+    """The device guard as the CPU can see it (tests/test_device_guard.py runs it on two GPUs):
+    a plan for tensors on device 1 launches inside ``torch.cuda.device(1)`` when device 0 is
+    current, and switches nothing when device 1 already is."""
+    import types
+
+    events, current = [], [0]
+
+    @contextlib.contextmanager
+    def device(index):
+        events.append(("enter", index))
+        yield
+        events.append(("exit", index))
+
+    def function(*values):
+        events.append(("launch", values))
+
+    if bound:
+        function.bind = lambda values, device_index: (lambda values: events.append(("launch", values, device_index)))
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(ops, "_current_device", lambda: current[0])
+    launch = ops._launcher(types.SimpleNamespace(function=function), ("x",), 1)
+
+    launch(("x",))
+    assert [event[0] for event in events] == ["enter", "launch", "exit"] and events[0] == ("enter", 1)
+    if bound:
+        assert events[1][2] == 1  # the bound launcher was built for device 1
+    events.clear()
+    current[0] = 1
+    launch(("x",))
+    assert [event[0] for event in events] == ["launch"]
