@@ -20,6 +20,7 @@ names, see ``replaced_kernel``), so the ceiling of a compile row is 1 / (1 - rep
 
 Writes benchmarks/results/models_<GPU>_<date>.json: {"device", "rows": [...]}.
 Usage: python benchmarks/models.py [--output FILE] [--models flux wan qwen-image z-image] [--modes ...]
+       python benchmarks/models.py --table FILE   # the README's table of a results file
 """
 
 from __future__ import annotations
@@ -249,14 +250,33 @@ def measure(name: str, resolution, modes: list, blocks: int, profiling: bool) ->
     return rows
 
 
+def table(path: Path) -> str:
+    """The README's table of a results file: one line per row, with each compile row's target
+    (70% of the ceiling 1 / (1 - replaced_share))."""
+    lines = ["| model | resolution | mode | diffusers (ms) | ditops (ms) | speedup | target | rel_err (baseline) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in json.loads(path.read_text())["rows"]:
+        target = {"eager": "", "reduce-overhead": ">= 1.00"}.get(row["mode"])
+        if target is None:
+            target = f">= {1 / (1 - 0.7 * row['replaced_share']):.3f} (share {row['replaced_share']:.3f})"
+        lines.append(f"| {row['model']} | {row['resolution']} | {row['mode']} | {row['baseline_ms']:.2f} | "
+                     f"{row['ditops_ms']:.2f} | {row['speedup']:.3f}x | {target} | "
+                     f"{row['rel_err']:.1e} ({row['baseline_rel_err']:.1e}) |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", type=Path, help="print the markdown table of a results file and exit")
     parser.add_argument("--output", help="JSON file (default: benchmarks/results/models_<GPU>_<date>.json)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--modes", nargs="+", default=list(COMPILE), choices=list(COMPILE))
     parser.add_argument("--blocks", type=int, default=8, help="blocks chained back to back in one forward")
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler summary of each way")
     options = parser.parse_args()
+    if options.table:
+        print(table(options.table))
+        return
     device = torch.cuda.get_device_name()
     short = device.split()[1] if len(device.split()) > 1 else device
     output = Path(options.output or Path(__file__).parent / "results" / f"models_{short}_{datetime.date.today()}.json")
