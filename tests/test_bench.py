@@ -12,17 +12,21 @@ import csv
 import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import toy_backends
+
+import ditops
 import ditops.backends.reference as reference
 import ditops.bench as bench
 from ditops.bench import baselines, report, timing
 from ditops.bench.cases import CASES, _distinct_bytes, _heads, _rows, cpu_case, minimum_bytes
 from ditops.conformance import TOLERANCES
-from ditops.dispatch import OPS
+from ditops.dispatch import OPS, load_config, simulated_device
 
 BF16, F32 = torch.bfloat16, torch.float32
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -281,7 +285,7 @@ def test_shape_strings_describe_the_built_arguments():
 
 
 def _row(model, candidate, us=None, dtype="bfloat16", op="rope_", shape="T256 H4 Dh64", bytes=1_000_000, note=""):
-    row = dict(op=op, model=model, shape=shape, dtype=dtype, candidate=candidate, bytes=bytes, note=note)
+    row = dict(op=op, model=model, shape=shape, dtype=dtype, candidate=candidate, auto_backend="reference", bytes=bytes, note=note)
     if us is not None:
         row.update(us=us, correct=True, max_error=0.0)
     return row
@@ -292,6 +296,7 @@ def _rows_of_two_cases_with_one_shape() -> list:
         _row("A", "eager", 100.0),
         _row("A", "torch.compile", 50.0),
         _row("A", "reference", 25.0),
+        _row("A", "auto", 26.0),
         _row("B", "eager", 400.0),  # another case with the same shape string, and no torch.compile row
         _row("B", "reference", 200.0),
         _row("A", "reference", 10.0, dtype="float16"),  # same case in another dtype: no baselines
@@ -349,7 +354,9 @@ def test_summary_has_one_line_per_case_and_one_column_per_candidate():
         assert tuple(cells[:4]) == case
         for candidate, cell in zip(candidates, cells[4:]):
             timed = [row for row in rows if (row["op"], row["model"], row["shape"], row["dtype"]) == case and row["candidate"] == candidate and "us" in row]
-            assert cell == (f"{report._cell(timed[0]['us'])} ({timed[0]['pct_copy']:.0f}%)" if timed else "-")
+            picked = " reference" if candidate == "auto" else ""  # the auto cell names the dispatcher's pick
+            assert cell == (f"{report._cell(timed[0]['us'])} ({timed[0]['pct_copy']:.0f}%){picked}" if timed else "-")
+    assert "| 26.00 (48%) reference |" in lines[2]  # case A's auto cell: 1 MB in 26 us at 80 GB/s copy
 
 
 def test_charts_from_a_saved_results_file(tmp_path):
@@ -463,6 +470,42 @@ def test_run_end_to_end_on_cpu(tmp_path):
     assert not list(tmp_path.glob("*.png"))
     written = json.loads(next(path for path in paths if path.suffix == ".json").read_text())
     assert len(written["rows"]) == len(rows)
+
+
+def _auto_rows(rows: list) -> list:
+    auto = [row for row in rows if row["candidate"] == "auto"]
+    assert auto and all(row["us"] > 0 and row["correct"] is True for row in auto)
+    return auto
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU stand-in run")
+def test_auto_runs_the_public_call_and_records_the_pick(tmp_path):
+    """``auto`` is the call with no backend=: on the CPU the dispatcher picks the reference."""
+    rows, _, paths = bench.run(ops=["rope_"], quick=True, backends=["auto", "reference"], output=tmp_path, plots=False)
+    assert [row["candidate"] for row in rows] == ["auto", "reference"] * 2  # auto first, in each case
+    assert all(row["auto_backend"] == "reference" for row in rows)
+    for auto in _auto_rows(rows):
+        case = cpu_case(next(c for c in CASES if c.op == "rope_" and c.model + " (CPU stand-in)" == auto["model"]))
+        assert auto["auto_backend"] == ditops.explain("rope_", **case.build("cpu", BF16, generator())).selected
+    written = json.loads(next(path for path in paths if path.suffix == ".json").read_text())["rows"]
+    assert [row["auto_backend"] for row in written] == ["reference"] * len(rows)
+    with next(path for path in paths if path.suffix == ".csv").open(newline="") as file:
+        assert [line["auto_backend"] for line in csv.DictReader(file)] == ["reference"] * len(rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the simulated device dispatches CPU tensors")
+def test_auto_goes_through_the_dispatcher_to_the_backend_it_picks():
+    """On a simulated sm_90 with a registry whose NVIDIA backend records its calls, auto is that
+    backend (explain's pick), and its timed calls reach it without a backend= override."""
+    load_config(Path(__file__).parent / "simulated_registry.yaml")
+    with simulated_device("sm_90"):
+        case = cpu_case(next(c for c in CASES if c.op == "rope_" and c.model == "latency"))
+        assert ditops.explain("rope_", **case.build("cpu", BF16, generator())).selected == "nvidia_kernels"
+        toy_backends.CALLS.clear()
+        rows, _, _ = bench.run(ops=["rope_"], shapes=["latency"], backends=["auto"], write_files=False, progress=lambda line: None)
+    (auto,) = _auto_rows(rows)
+    assert auto["auto_backend"] == "nvidia_kernels"
+    assert toy_backends.CALLS and set(toy_backends.CALLS) == {"rope_"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger_kernel is installed here")

@@ -1,5 +1,6 @@
-"""``ditops bench``: every op at real model shapes, every backend the dispatcher can run here,
-against eager PyTorch, torch.compile and the peer libraries.
+"""``ditops bench``: every op at real model shapes, every backend the dispatcher can run here
+and ``auto`` (the public call, the backend the dispatcher picks), against eager PyTorch,
+torch.compile and the peer libraries.
 
 Each result: microseconds per call (CUDA-graph replay, cold L2; and eager, with host
 overhead), the fewest bytes the op must move, GB/s, percent of the device-to-device copy
@@ -52,11 +53,13 @@ def _outputs(result) -> tuple:
     return tuple(t for t in result if t is not None)
 
 
-def candidates(case: BenchCase, arguments: dict, wanted: Optional[set]) -> list:
-    """(name, make_call or None, note): make_call(arguments) returns a zero-argument callable."""
+def candidates(case: BenchCase, arguments: dict, explanation, wanted: Optional[set]) -> list:
+    """(name, make_call or None, note): make_call(arguments) returns a zero-argument callable.
+    ``explanation`` is ``explain`` of the call: each backend that accepts it is forced in turn."""
     op = case.op
-    found = []
-    for row in explain(op, **arguments).candidates:
+    # what a user gets: the public call with no override, through the dispatcher and its plan cache
+    found = [("auto", lambda a: (lambda: PUBLIC[op](**a)), "")]
+    for row in explanation.candidates:
         if row.refusal is None:
             found.append((row.backend, lambda a, name=row.backend: (lambda: PUBLIC[op](**a, backend=name)), ""))
     eager = baselines.EAGER[op]
@@ -97,9 +100,11 @@ def run_case(case: BenchCase, device: str, dtype: torch.dtype, wanted: Optional[
     sets = [first] + [case.build(device, dtype, generator(seed)) for seed in range(1, timing.rotation_sets(size, l2_bytes))]
     pristine = _clone(first)  # the in-place RoPE ops rotate the timed sets: checks start from this copy
     expected = _outputs(PUBLIC[case.op](**_clone(pristine), backend="reference"))
+    explanation = explain(case.op, **first)
     rows = []
-    for name, make_call, note in candidates(case, first, wanted):
+    for name, make_call, note in candidates(case, first, explanation, wanted):
         row = dict(op=case.op, model=case.model, shape=case.shape, dtype=str(dtype).removeprefix("torch."), candidate=name, bytes=size, note=note)
+        row["auto_backend"] = explanation.selected  # on every row of the case: which of them is what auto runs
         rows.append(row)
         if make_call is None:
             continue

@@ -14,6 +14,7 @@ COLUMNS = (
     "shape",
     "dtype",
     "candidate",
+    "auto_backend",
     "us",
     "spread_pct",
     "eager_us",
@@ -53,13 +54,17 @@ def _cell(value) -> str:
 
 
 def summary(rows: list) -> str:
-    """A markdown table with one line per case and one column per candidate: "us (% of copy)"."""
+    """A markdown table with one line per case and one column per candidate: "us (% of copy)";
+    the auto cell is followed by the backend the dispatcher picked."""
     candidates = list(dict.fromkeys(row["candidate"] for row in rows))
     cases = defaultdict(dict)
     for row in rows:
         cell = "-"
         if row.get("us"):
-            cell = f"{_cell(row['us'])} ({row['pct_copy']:.0f}%)" + ("" if row.get("correct", True) else " WRONG")
+            cell = f"{_cell(row['us'])} ({row['pct_copy']:.0f}%)"
+            if row["candidate"] == "auto":
+                cell += f" {row['auto_backend']}"  # the pick varies by case: the column header cannot name it
+            cell += "" if row.get("correct", True) else " WRONG"
         elif row.get("note", "").startswith("failed"):
             cell = "failed"
         cases[(row["op"], row["model"], row["shape"], row["dtype"])][row["candidate"]] = cell
