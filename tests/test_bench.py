@@ -284,8 +284,9 @@ def test_shape_strings_describe_the_built_arguments():
 # ----------------------------------------------------------------------------------------
 
 
-def _row(model, candidate, us=None, dtype="bfloat16", op="rope_", shape="T256 H4 Dh64", bytes=1_000_000, note=""):
+def _row(model, candidate, us=None, dtype="bfloat16", op="rope_", shape="T256 H4 Dh64", bytes=1_000_000, note="", copy_us=20.0):
     row = dict(op=op, model=model, shape=shape, dtype=dtype, candidate=candidate, auto_backend="reference", bytes=bytes, note=note)
+    row["same_size_copy_us"] = copy_us
     if us is not None:
         row.update(us=us, correct=True, max_error=0.0)
     return row
@@ -297,8 +298,8 @@ def _rows_of_two_cases_with_one_shape() -> list:
         _row("A", "torch.compile", 50.0),
         _row("A", "reference", 25.0),
         _row("A", "auto", 26.0),
-        _row("B", "eager", 400.0),  # another case with the same shape string, and no torch.compile row
-        _row("B", "reference", 200.0),
+        _row("B", "eager", 400.0, copy_us=50.0),  # another case with the same shape string, and no torch.compile row
+        _row("B", "reference", 200.0, copy_us=50.0),
         _row("A", "reference", 10.0, dtype="float16"),  # same case in another dtype: no baselines
         _row("A", "liger", note="missing (ModuleNotFoundError: No module named 'liger_kernel')"),
     ]
@@ -312,6 +313,7 @@ def test_add_derived():
     reference_a = by["A", "bfloat16", "reference"]
     assert reference_a["gbps"] == pytest.approx(1_000_000 / (25.0 * 1e3)) == pytest.approx(40.0)
     assert reference_a["pct_copy"] == pytest.approx(100 * 40.0 / 80.0)
+    assert reference_a["pct_same_size_copy"] == pytest.approx(100 * 20.0 / 25.0)  # its case's copy takes 20 us
     assert reference_a["speedup_vs_eager"] == pytest.approx(100.0 / 25.0)
     assert reference_a["speedup_vs_compile"] == pytest.approx(50.0 / 25.0)
     assert by["A", "bfloat16", "eager"]["speedup_vs_eager"] == pytest.approx(1.0)
@@ -320,12 +322,13 @@ def test_add_derived():
     reference_b = by["B", "bfloat16", "reference"]  # against B's eager (400 us), not A's
     assert reference_b["speedup_vs_eager"] == pytest.approx(400.0 / 200.0)
     assert reference_b["speedup_vs_compile"] is None
+    assert reference_b["pct_same_size_copy"] == pytest.approx(100 * 50.0 / 200.0)
     other_dtype = by["A", "float16", "reference"]
     assert other_dtype["speedup_vs_eager"] is None and other_dtype["speedup_vs_compile"] is None
     assert other_dtype["gbps"] == pytest.approx(1_000_000 / (10.0 * 1e3))
 
     missing = by["A", "bfloat16", "liger"]
-    for key in ("us", "gbps", "pct_copy", "speedup_vs_eager", "speedup_vs_compile"):
+    for key in ("us", "gbps", "pct_copy", "pct_same_size_copy", "speedup_vs_eager", "speedup_vs_compile"):
         assert key not in missing
 
 
@@ -347,12 +350,13 @@ def test_summary_has_one_line_per_case_and_one_column_per_candidate():
     lines = report.summary(rows).splitlines()
     candidates = list(dict.fromkeys(row["candidate"] for row in rows))
     cases = list(dict.fromkeys((row["op"], row["model"], row["shape"], row["dtype"]) for row in rows))
-    assert lines[0] == "| op | model | shape | dtype | " + " | ".join(candidates) + " |"
+    assert lines[0] == "| op | model | shape | dtype | same-size copy | " + " | ".join(candidates) + " |"
     assert len(lines) == 2 + len(cases)  # header and its separator, then the cases
     for line, case in zip(lines[2:], cases):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        assert tuple(cells[:4]) == case
-        for candidate, cell in zip(candidates, cells[4:]):
+        assert tuple(cells[:4]) == case and len(cells) == 5 + len(candidates)
+        assert cells[4] == ("50.00" if case[1] == "B" else "20.00")  # the case's same-size copy, us
+        for candidate, cell in zip(candidates, cells[5:]):
             timed = [row for row in rows if (row["op"], row["model"], row["shape"], row["dtype"]) == case and row["candidate"] == candidate and "us" in row]
             picked = " reference" if candidate == "auto" else ""  # the auto cell names the dispatcher's pick
             assert cell == (f"{report._cell(timed[0]['us'])} ({timed[0]['pct_copy']:.0f}%){picked}" if timed else "-")
@@ -391,6 +395,8 @@ def test_write_json_csv_and_one_png_per_timed_op(tmp_path):
         if "us" in row:
             assert written["us"] == row["us"]
             assert written["gbps"] == pytest.approx(row["gbps"]) and written["pct_copy"] == pytest.approx(row["pct_copy"])
+            assert written["pct_same_size_copy"] == pytest.approx(row["pct_same_size_copy"])
+        assert written["same_size_copy_us"] == row["same_size_copy_us"] and written["auto_backend"] == row["auto_backend"]
 
     with csv_path.open(newline="") as file:
         lines = list(csv.reader(file))
@@ -451,6 +457,22 @@ def test_host_timing():
 # ----------------------------------------------------------------------------------------
 
 
+def test_copy_us_rotates_over_sets_of_the_given_bytes(monkeypatch):
+    """The same-size copy: ``sets`` distinct buffer pairs, each copy reading half the bytes and writing half."""
+    timed = []
+    monkeypatch.setattr(timing, "host", lambda calls: timed.append(calls) or timing.Timing(2.0, 0.0))
+    assert timing.copy_us("cpu", 4000, sets=3) == {"memcpy": 2.0, "kernel": 2.0}
+    assert timing.copy_bandwidth("cpu", 1000) == {"memcpy": 2000 / 2e3, "kernel": 2000 / 2e3}  # 1000 read, 1000 written in 2 us
+    for calls in timed[:2]:  # the two ways of copy_us
+        pairs = {(call.args[0].data_ptr(), call.args[1].data_ptr()) for call in calls}
+        assert len(pairs) == 3 and len({pointer for pair in pairs for pointer in pair}) == 6
+        for call in calls:
+            source, target = call.args
+            assert source.numel() * source.element_size() == target.numel() * target.element_size() == 2000
+            call()
+            assert torch.equal(target, source)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU stand-in run")
 def test_run_end_to_end_on_cpu(tmp_path):
     rows, info, paths = bench.run(ops=["rope_"], quick=True, backends=["reference", "eager"], output=tmp_path, plots=False)
@@ -462,6 +484,7 @@ def test_run_end_to_end_on_cpu(tmp_path):
         assert row["us"] > 0 and row["correct"] is True
         assert row["bytes"] == 2 * (2 * q_or_k) + 256 * 64 * 4 > 0
         assert row["gbps"] > 0 and row["pct_copy"] > 0
+        assert row["same_size_copy_us"] > 0 and row["pct_same_size_copy"] == pytest.approx(100 * row["same_size_copy_us"] / row["us"])
         if row["candidate"] == "eager":
             assert row["speedup_vs_eager"] == pytest.approx(1.0)
     assert info["copy_gbps"] > 0 and info["device"].startswith("CPU")
@@ -470,6 +493,9 @@ def test_run_end_to_end_on_cpu(tmp_path):
     assert not list(tmp_path.glob("*.png"))
     written = json.loads(next(path for path in paths if path.suffix == ".json").read_text())
     assert len(written["rows"]) == len(rows)
+    assert [row["same_size_copy_us"] for row in written["rows"]] == [row["same_size_copy_us"] for row in rows]
+    for model in {row["model"] for row in rows}:  # one copy per case, on each of its rows
+        assert len({row["same_size_copy_us"] for row in rows if row["model"] == model}) == 1
 
 
 def _auto_rows(rows: list) -> list:

@@ -18,9 +18,11 @@ COLUMNS = (
     "us",
     "spread_pct",
     "eager_us",
+    "same_size_copy_us",
     "bytes",
     "gbps",
     "pct_copy",
+    "pct_same_size_copy",
     "speedup_vs_eager",
     "speedup_vs_compile",
     "correct",
@@ -30,7 +32,8 @@ COLUMNS = (
 
 
 def add_derived(rows: list, copy_gbps: float) -> None:
-    """Fills gbps, pct_copy and the speedups against eager and torch.compile of the same case."""
+    """Fills gbps, pct_copy, pct_same_size_copy and the speedups against eager and torch.compile
+    of the same case."""
     by_case = defaultdict(dict)
     for row in rows:
         if row.get("us"):
@@ -40,6 +43,7 @@ def add_derived(rows: list, copy_gbps: float) -> None:
             continue
         row["gbps"] = row["bytes"] / (row["us"] * 1e3)
         row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+        row["pct_same_size_copy"] = 100 * row["same_size_copy_us"] / row["us"]
         times = by_case[(row["op"], row["model"], row["shape"], row["dtype"])]
         row["speedup_vs_eager"] = times["eager"] / row["us"] if "eager" in times else None
         row["speedup_vs_compile"] = times["torch.compile"] / row["us"] if "torch.compile" in times else None
@@ -54,11 +58,13 @@ def _cell(value) -> str:
 
 
 def summary(rows: list) -> str:
-    """A markdown table with one line per case and one column per candidate: "us (% of copy)";
-    the auto cell is followed by the backend the dispatcher picked."""
-    candidates = list(dict.fromkeys(row["candidate"] for row in rows))
+    """A markdown table with one line per case: the us of a copy of the same bytes, then one
+    column per candidate: "us (% of copy)"; the auto cell is followed by the backend the
+    dispatcher picked."""
+    columns = ["same-size copy"] + list(dict.fromkeys(row["candidate"] for row in rows))
     cases = defaultdict(dict)
     for row in rows:
+        cases[(row["op"], row["model"], row["shape"], row["dtype"])]["same-size copy"] = _cell(row["same_size_copy_us"])
         cell = "-"
         if row.get("us"):
             cell = f"{_cell(row['us'])} ({row['pct_copy']:.0f}%)"
@@ -68,9 +74,9 @@ def summary(rows: list) -> str:
         elif row.get("note", "").startswith("failed"):
             cell = "failed"
         cases[(row["op"], row["model"], row["shape"], row["dtype"])][row["candidate"]] = cell
-    lines = ["| op | model | shape | dtype | " + " | ".join(candidates) + " |", "|" + "---|" * (4 + len(candidates))]
+    lines = ["| op | model | shape | dtype | " + " | ".join(columns) + " |", "|" + "---|" * (4 + len(columns))]
     for case, cells in cases.items():
-        lines.append("| " + " | ".join(case) + " | " + " | ".join(cells.get(name, "-") for name in candidates) + " |")
+        lines.append("| " + " | ".join(case) + " | " + " | ".join(cells.get(name, "-") for name in columns) + " |")
     return "\n".join(lines)
 
 

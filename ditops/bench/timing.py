@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -99,13 +100,21 @@ def host(calls: list, repeats: int = 7) -> Timing:
     return _summary(per_call)
 
 
-def copy_bandwidth(device: str, size_bytes: int = 1 << 30) -> dict:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written, two
-    ways: ``memcpy`` (copy_, a copy-engine memcpy) and ``kernel`` (an elementwise kernel
-    writing what it reads, as the ops' kernels do). The higher is the reference figure."""
-    elements = size_bytes // 2
-    source = torch.randn(elements, device=device).to(torch.bfloat16)
-    target = torch.empty_like(source)
-    ways = {"memcpy": lambda: target.copy_(source), "kernel": lambda: torch.mul(source, 1, out=target)}
+def copy_us(device: str, moved_bytes: int, sets: int = 1) -> dict:
+    """Per-call time of a device-to-device copy moving ``moved_bytes`` (half read, half
+    written), two ways: ``memcpy`` (copy_, a copy-engine memcpy) and ``kernel`` (an
+    elementwise kernel writing what it reads, as the ops' kernels do). The copies rotate
+    over ``sets`` buffer pairs, as the ops' inputs do, so that they too read from memory."""
+    elements = max(1, moved_bytes // 4)  # bfloat16: 2 bytes read and 2 written per element
+    sources = [torch.randn(elements, device=device).to(torch.bfloat16) for _ in range(sets)]
+    pairs = [(source, torch.empty_like(source)) for source in sources]
+    ways = {"memcpy": lambda source, target: target.copy_(source), "kernel": lambda source, target: torch.mul(source, 1, out=target)}
     measure = cuda_graph if device != "cpu" else (lambda calls: host(calls * 3))
-    return {name: 2 * elements * 2 / (measure([call]).us * 1e3) for name, call in ways.items()}
+    return {name: measure([functools.partial(way, *pair) for pair in pairs]).us for name, way in ways.items()}
+
+
+def copy_bandwidth(device: str, size_bytes: int = 1 << 30) -> dict:
+    """Device-to-device copy bandwidth in GB/s of copying ``size_bytes``, counting bytes read
+    plus bytes written, both ways of ``copy_us``. The higher is the reference figure."""
+    moved = 2 * size_bytes
+    return {name: moved / (us * 1e3) for name, us in copy_us(device, moved).items()}
