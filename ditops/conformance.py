@@ -15,6 +15,7 @@ tests/conformance and by ``ditops check``.
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
@@ -158,26 +159,27 @@ def _widen(value):
 
 def oracle(op: str, arguments: dict, dtype: torch.dtype) -> tuple:
     """The expected outputs in float64. Where OPS.md stores an intermediate (residual_out,
-    out) and normalises it as stored, the oracle rounds it to ``dtype`` at the same point."""
+    out) and normalises it as stored, the oracle rounds it to ``dtype`` at the same point,
+    then normalises with the call's own norm, affine parameters and eps (defaults filled in)."""
     wide = {name: _widen(value) for name, value in arguments.items()}
     ordered, _ = ordered_arguments(op, **wide)
+    named = dict(zip(inspect.signature(PUBLIC[op]).parameters, ordered))
     expected = getattr(reference, op)(*ordered)
     expected = expected if isinstance(expected, tuple) else (expected,)
     stored = lambda t: t.to(dtype).to(torch.float64)  # noqa: E731
-    norm_keys = ("weight", "bias")
     if op == "residual_norm_scale_shift":
-        affine = {key: wide[key] for key in norm_keys}
-        y = reference.norm_scale_shift(stored(expected[1]), wide["scale"], wide["shift"], norm=wide.get("norm", "layer"), **affine)
+        y = reference.norm_scale_shift(stored(expected[1]), named["scale"], named["shift"], named["weight"],
+                                       named["bias"], named["norm"], named["eps"])
         return y, expected[1]
     if op == "residual_norm_scale_shift_select":
-        selection = {key: wide[key] for key in ("index", "scale0", "shift0", "gate0", "scale1", "shift1", "gate1", *norm_keys)}
+        selection = {key: named[key] for key in ("index", "scale0", "shift0", "gate0", "scale1", "shift1", "gate1",
+                                                 "weight", "bias", "eps")}
         y, gate = reference.norm_scale_shift_select(stored(expected[1]), **selection)
         return y, expected[1], gate
     if op == "add_gate_norm_scale":
         zero_shift = torch.zeros((), dtype=torch.float64, device=expected[0].device)
-        y = reference.norm_scale_shift(
-            stored(expected[0]), wide["scale"], zero_shift, wide["weight2"], wide["bias2"], wide["norm"], wide["eps"]
-        )
+        y = reference.norm_scale_shift(stored(expected[0]), named["scale"], zero_shift, named["weight2"],
+                                       named["bias2"], named["norm"], named["eps"])
         return expected[0], y
     if op in ("qk_norm_rope_", "rope_"):
         return tuple(t for t in expected if t is not None)

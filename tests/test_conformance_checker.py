@@ -50,3 +50,22 @@ def test_oracle_rounds_the_stored_residual_before_the_norm():
     expected_y = reference.norm_scale_shift(rounded, arguments["scale"].double(), arguments["shift"].double(),
                                             arguments["weight"].double(), arguments["bias"].double())
     torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["residual_norm_scale_shift", "residual_norm_scale_shift_select", "add_gate_norm_scale"])
+def test_oracle_normalises_with_the_calls_eps(op):
+    """The second norm of the fused ops must use the call's eps (it once took the default):
+    with eps = 0.5 the oracle agrees with the reference backend, not with eps = 1e-6."""
+    from ditops.examples import example_arguments
+    from ditops.ops import PUBLIC
+
+    arguments = {**example_arguments(op, (1, 8, 16), torch.float32, seed=4), "eps": 0.5}
+    expected = conformance.oracle(op, arguments, torch.float32)
+    outputs = PUBLIC[op](**{name: value.double() if torch.is_tensor(value) and value.is_floating_point() else value
+                            for name, value in arguments.items()}, backend="reference")
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    assert len(outputs) == len(expected)
+    for output, oracle_output in zip(outputs, expected):
+        torch.testing.assert_close(output, oracle_output, rtol=1e-6, atol=1e-6)
+    default_eps = conformance.oracle(op, {**arguments, "eps": 1e-6}, torch.float32)
+    assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(default_eps, expected))
