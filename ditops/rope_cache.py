@@ -29,6 +29,8 @@ def rope_cos_sin_cache(
     Pair j of an axis with d dims turns by ``position * theta ** (-2j / d)``. Angles are
     computed in float64, then rounded once to ``dtype``.
     """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"rope_cos_sin_cache: dtype is {dtype!r}; wanted a floating torch.dtype")
     if not isinstance(positions, Tensor):
         # Any integer (numpy's too) counts; bool is an int to Python but never a count, and a
         # float (2.5) or a list is a mistake worth naming.
@@ -41,6 +43,8 @@ def rope_cos_sin_cache(
         if positions < 0:
             raise ValueError(f"rope_cos_sin_cache: positions is {positions}; wanted a count P >= 0 or a tensor [N] or [N, A]")
         positions = torch.arange(positions, device=device)
+    elif positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise ValueError(f"rope_cos_sin_cache: positions has dtype {positions.dtype}; wanted integer or real positions")
     if positions.dim() == 1:
         positions = positions[:, None]
     axes_dims = list(rotary_dim) if isinstance(rotary_dim, (list, tuple)) else [rotary_dim]

@@ -335,3 +335,24 @@ def test_gpu_position_range_is_checked_in_debug_mode(monkeypatch):
     monkeypatch.setenv("DITOPS_DEBUG", "1")
     with pytest.raises(ValueError, match=r"positions has values in \[0, 9\]; wanted values in \[0, 4\)"):
         ditops.rope_(**arguments())
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: ditops.rope_cos_sin_cache(2.5, 32), "positions is a float"),
+    (lambda: ditops.rope_cos_sin_cache(True, 32), "positions is a bool"),
+    (lambda: ditops.rope_cos_sin_cache([0, 1], 32), "positions is a list"),
+    (lambda: ditops.rope_cos_sin_cache(-1, 32), "positions is -1"),
+    (lambda: ditops.rope_cos_sin_cache(torch.tensor([True, False]), 32), "positions has dtype torch.bool"),
+    (lambda: ditops.rope_cos_sin_cache(torch.zeros(4, 2), 32), "positions has shape [4, 2] with 1 axis dims"),
+    (lambda: ditops.rope_cos_sin_cache(torch.zeros(4, 3), [8, 8]), "positions has shape [4, 3] with 2 axis dims"),
+    (lambda: ditops.rope_cos_sin_cache(torch.zeros(4, 2), [8, 8], theta=[1e4]), "and 1 thetas"),
+    (lambda: ditops.rope_cos_sin_cache(torch.zeros(4, 0), []), "rotary_dim is an empty list"),
+    (lambda: ditops.rope_cos_sin_cache(8, 32, theta=0.0), "has an entry 0.0; wanted values > 0"),
+    (lambda: ditops.rope_cos_sin_cache(8, 31), "rotary_dim 31 has an entry 31; wanted even sizes > 0"),
+    (lambda: ditops.rope_cos_sin_cache(8, 0), "has an entry 0; wanted even sizes > 0"),
+    (lambda: ditops.rope_cos_sin_cache(8, True), "has an entry True"),
+    (lambda: ditops.rope_cos_sin_cache(8, 32, dtype=torch.int32), "dtype is torch.int32; wanted a floating"),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_rope_cos_sin_cache_refuses_bad_arguments(call, named):
+    with pytest.raises(ValueError, match=re.escape(f"rope_cos_sin_cache: ") + ".*" + re.escape(named)):
+        call()
