@@ -12,6 +12,7 @@ import ditops
 from conftest import TESTS
 from ditops import cli, dispatch
 from ditops.bench.cases import CASES
+from ditops.ops import PUBLIC
 
 
 def run(capsys, *argv):
@@ -203,3 +204,14 @@ def test_readme_explain_sample_is_the_real_output(capsys):
     code, out = run(capsys, *command.removeprefix("$ ditops ").split())
     assert code == 0
     assert out == expected
+
+
+@pytest.mark.parametrize("arch", [None, "sm_90", "gfx942"])
+@pytest.mark.parametrize("op", sorted(PUBLIC))
+def test_explain_says_each_line_once(capsys, op, arch):
+    """A backend with several registry entries (cuda's Wan-14B rows and its general rows) that
+    refuse a call for the same reason is listed once."""
+    code, out = run(capsys, "explain", op, *(["--arch", arch] if arch else []))
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == len(set(lines)), out

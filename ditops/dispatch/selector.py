@@ -200,7 +200,9 @@ def format_table(features: Features, rows: list) -> str:
     width = max((len(row.backend) for row in rows), default=0)
     for row in rows:
         verdict = "accepts" if row.refusal is None else f"refused: {row.refusal}"
-        lines.append(f"  {row.backend:<{width}}  {verdict}")
+        line = f"  {row.backend:<{width}}  {verdict}"
+        if line not in lines:  # a backend with several registry entries refused alike: said once
+            lines.append(line)
     return "\n".join(lines)
 
 
