@@ -72,8 +72,8 @@ def _dispatch_scope(arch):
     CPU tensors, so this machine's GPU is simulated too."""
     if arch:
         return dispatch.simulated_device(arch)
-    if torch.cuda.is_available():
-        return dispatch.simulated_device(dispatch.current_device().arch)
+    if torch.cuda.is_available():  # the detected GPU itself: its name shows and it is not labelled simulated
+        return dispatch.simulated_device(dispatch.current_device())
     return contextlib.nullcontext()
 
 

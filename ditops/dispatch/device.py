@@ -12,7 +12,7 @@ import contextlib
 import re
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -103,10 +103,11 @@ def current_device() -> DeviceInfo:
 
 
 @contextlib.contextmanager
-def simulated_device(arch: str) -> Iterator[DeviceInfo]:
-    """Dispatch as if every tensor were on ``arch`` (e.g. "sm_90", "gfx942"); for tests and explain."""
+def simulated_device(arch: Union[str, DeviceInfo]) -> Iterator[DeviceInfo]:
+    """Dispatch as if every tensor were on ``arch`` (e.g. "sm_90", "gfx942", or a detected
+    DeviceInfo, which keeps its name and is not labelled simulated); for tests and explain."""
     previous = _simulation.device
-    _simulation.device = parse_arch(arch)
+    _simulation.device = arch if isinstance(arch, DeviceInfo) else parse_arch(arch)
     try:
         yield _simulation.device
     finally:
