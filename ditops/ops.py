@@ -481,9 +481,16 @@ for _op in OPS.values():
 def norm_scale_shift(x, scale, shift, *, weight=None, bias=None, norm="layer", eps=1e-6, backend=None) -> Tensor:
     """``y = norm(x) * (1 + scale) + shift``.
 
-    x: [B, S, D] or [N, D]; scale, shift: a modulation form of OPS.md ([], [D], [B, D],
+    x: [B, S, D] or [N, D]; scale, shift: a modulation form of docs/ops.md ([], [D], [B, D],
     [B, S, D], [B, F, 1, D], ...); weight, bias: [D] or None; norm: "layer" or "rms".
     Returns a new y shaped and typed like x.
+
+    >>> import torch, ditops
+    >>> x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    >>> modulation = torch.randn(2, 6, 64)  # [B, 6, D] float32, as a DiT block's AdaLN gives it
+    >>> y = ditops.norm_scale_shift(x, modulation[:, 1], modulation[:, 0])
+    >>> y.shape, y.dtype
+    (torch.Size([2, 16, 64]), torch.bfloat16)
     """
     return OPS["norm_scale_shift"]((x, scale, shift, weight, bias, norm, eps), backend)[0]
 
@@ -495,6 +502,13 @@ def residual_norm_scale_shift(
 
     x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: modulation forms.
     Returns (y, residual_out).
+
+    >>> import torch, ditops
+    >>> attention, residual = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    >>> gate, scale, shift = torch.randn(3, 2, 64)
+    >>> y, residual = ditops.residual_norm_scale_shift(attention, residual, gate, scale, shift, norm="rms")
+    >>> y.shape == residual.shape == attention.shape
+    True
     """
     return OPS["residual_norm_scale_shift"]((x, residual, gate, scale, shift, weight, bias, norm, eps), backend)
 
@@ -506,6 +520,14 @@ def norm_scale_shift_select(
 
     x: [B, S, D]; index: [B, S] integer; the six modulation tensors: [B, D].
     Returns (y, gate_out), gate_out being the selected gate as a [B, S, D] tensor.
+
+    >>> import torch, ditops
+    >>> x = torch.randn(1, 8, 64)
+    >>> index = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])  # the last 4 tokens take set 1
+    >>> scale0, shift0, gate0, scale1, shift1, gate1 = torch.randn(6, 1, 64)
+    >>> y, gate = ditops.norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1)
+    >>> torch.equal(gate[0, 5], gate1[0])
+    True
     """
     arguments = (x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps)
     return OPS["norm_scale_shift_select"](arguments, backend)
@@ -531,6 +553,15 @@ def residual_norm_scale_shift_select(
     """``residual_out = residual + residual_gate * x``, then ``norm_scale_shift_select`` of it.
 
     residual_gate: [B, S, D] (the gate_out of the previous call). Returns (y, residual_out, gate_out).
+
+    >>> import torch, ditops
+    >>> x, residual, residual_gate = torch.randn(3, 1, 8, 64)
+    >>> index = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    >>> scale0, shift0, gate0, scale1, shift1, gate1 = torch.randn(6, 1, 64)
+    >>> y, residual, gate = ditops.residual_norm_scale_shift_select(
+    ...     x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1)
+    >>> y.shape, residual.shape, gate.shape
+    (torch.Size([1, 8, 64]), torch.Size([1, 8, 64]), torch.Size([1, 8, 64]))
     """
     arguments = (x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps)
     return OPS["residual_norm_scale_shift_select"](arguments, backend)
@@ -540,6 +571,12 @@ def add_gate_norm(x, branch, gate, *, weight=None, bias=None, norm="rms", eps=1e
     """``out = x + act(gate) * norm(branch)``, act = identity or tanh (``gate_act="tanh"``).
 
     x, branch: [B, S, D] or [N, D]; gate: a modulation form. Returns out, typed like x.
+
+    >>> import torch, ditops
+    >>> x, branch, gate = torch.randn(2, 16, 64), torch.randn(2, 16, 64), torch.randn(2, 64)
+    >>> out = ditops.add_gate_norm(x, branch, gate, weight=torch.ones(64), gate_act="tanh")
+    >>> out.shape
+    torch.Size([2, 16, 64])
     """
     return OPS["add_gate_norm"]((x, branch, gate, weight, bias, norm, eps, gate_act), backend)[0]
 
@@ -562,6 +599,13 @@ def add_gate_norm_scale(
     """``out = x + act(gate) * norm(branch)`` (stored in x.dtype), then ``y = norm2(out) * (1 + scale)``.
 
     norm2 uses weight2/bias2. Returns (out, y).
+
+    >>> import torch, ditops
+    >>> x, branch = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    >>> gate, scale = torch.randn(2, 2, 64)
+    >>> out, y = ditops.add_gate_norm_scale(x, branch, gate, scale, weight=torch.ones(64), weight2=torch.ones(64))
+    >>> out.shape, y.shape
+    (torch.Size([2, 16, 64]), torch.Size([2, 16, 64]))
     """
     arguments = (x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act)
     return OPS["add_gate_norm_scale"](arguments, backend)
@@ -586,6 +630,13 @@ def qk_norm_rope_(
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: the same leading dims with Hk heads; q_weight,
     k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns); positions:
     q's leading shape, or None for ``position_offset + token index``. Returns (q, k).
+
+    >>> import torch, ditops
+    >>> q, k = torch.randn(2, 32, 4, 128, dtype=torch.bfloat16)  # [T, H, Dh] each
+    >>> cache = ditops.rope_cos_sin_cache(32, 128)  # positions 0..31, all 128 dims rotated
+    >>> q_out, k_out = ditops.qk_norm_rope_(q, k, torch.ones(128), torch.ones(128), cache)
+    >>> q_out is q  # written in place
+    True
     """
     arguments = (q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset)
     OPS["qk_norm_rope_"](arguments, backend)
@@ -598,6 +649,12 @@ def rope_(
     """In place: RoPE on the first R dims of every head of q and k (k may be None). Returns (q, k).
 
     Shapes as in ``qk_norm_rope_``; ``interleaved=False`` is the NeoX layout.
+
+    >>> import torch, ditops
+    >>> q, k = torch.randn(32, 8, 64), torch.randn(32, 2, 64)  # GQA: 8 query heads, 2 key heads
+    >>> cache = ditops.rope_cos_sin_cache(4096, 64)
+    >>> positions = torch.randint(0, 4096, (32,))
+    >>> _ = ditops.rope_(q, k, cache, positions, interleaved=False)
     """
     OPS["rope_"]((q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset), backend)
     return q, k
