@@ -228,3 +228,16 @@ def test_a_plan_launches_on_the_tensors_device_whatever_device_is_current(monkey
     current[0] = 1
     launch(("x",))
     assert [event[0] for event in events] == ["launch"]
+
+
+def test_a_compiled_library_op_obeys_an_override_set_after_compiling():
+    """A library-op node (every op on the CPU; on a GPU the in-place ops and cuda/rocm choices)
+    dispatches on each call, so an override set after compiling applies at once, no reset."""
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    compiled = torch.compile(lambda x: ditops.norm_scale_shift(**dict(arguments, x=x)), backend="aot_eager",
+                             fullgraph=True)
+    torch.testing.assert_close(compiled(arguments["x"]), ditops.norm_scale_shift(**arguments))
+    with ditops.use_backend("nosuchbackend"):
+        with pytest.raises(ditops.BackendUnavailable, match="nosuchbackend"):
+            compiled(arguments["x"])
+    torch.testing.assert_close(compiled(arguments["x"]), ditops.norm_scale_shift(**arguments))
