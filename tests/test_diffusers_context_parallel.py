@@ -10,6 +10,9 @@ backend that returns the log-sum-exp, and none of diffusers' does on CPU (native
 
     torchrun --nproc-per-node 2 tests/test_diffusers_context_parallel.py --parallel ulysses
     torchrun --nproc-per-node 2 tests/test_diffusers_context_parallel.py --parallel ring --backend _native_cudnn
+
+``--real-width`` gives the models their real attention widths (FLUX and Qwen-Image 24 x 128,
+Wan 12 x 128; everything else stays tiny).
 """
 
 import argparse
@@ -29,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # the tiny models, also when torc
 from test_diffusers_integration import TOLERANCE, tiny_flux, tiny_qwen, tiny_wan  # noqa: E402
 
 BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen,
-            "qwen-image-edit": lambda dtype: tiny_qwen(dtype, edit=True)}  # modulate_index split with the tokens
+            "qwen-image-edit": lambda dtype, **width: tiny_qwen(dtype, edit=True, **width)}  # modulate_index split too
 DIFFUSERS_MODULES = ("transformer_flux", "transformer_wan", "transformer_qwenimage")
 
 
@@ -66,8 +69,8 @@ def record_attention_calls() -> list:
     return calls
 
 
-def build(name, device, dtype, backend):
-    model, inputs, blocks = BUILDERS[name](dtype)
+def build(name, device, dtype, backend, real_width=False):
+    model, inputs, blocks = BUILDERS[name](dtype, real_width=real_width)
     inputs = {key: value.to(device) if torch.is_tensor(value) else value for key, value in shardable(name, inputs).items()}
     model = model.to(device)
     if backend is not None:
@@ -79,7 +82,7 @@ def relative_error(output, reference) -> float:
     return ((output - reference).norm() / reference.norm()).item()
 
 
-def check(device, dtype, parallel: str, backend) -> list:
+def check(device, dtype, parallel: str, backend, real_width=False) -> list:
     """On every rank of the initialized process group: each model, both orders. Returns lines to
     print; raises AssertionError listing every case that failed.
 
@@ -94,7 +97,7 @@ def check(device, dtype, parallel: str, backend) -> list:
     degree = dist.get_world_size()
     lines, failures = [], []
     for name in BUILDERS:
-        model, inputs, blocks = build(name, device, dtype, backend)
+        model, inputs, blocks = build(name, device, dtype, backend, real_width)
         expected = run(model, inputs)  # one process, no parallelism
         integration.apply(model)
         single_error = relative_error(run(model, inputs), expected)  # ditops in one process
@@ -106,7 +109,7 @@ def check(device, dtype, parallel: str, backend) -> list:
         if not any(expected_calls):
             failures.append(f"{name}: no attention call got the parallel config without ditops")
         for order in ("apply first", "enable_parallelism first"):
-            model, inputs, blocks = build(name, device, dtype, backend)
+            model, inputs, blocks = build(name, device, dtype, backend, real_width)
             if order == "apply first":
                 integration.apply(model)
             model.enable_parallelism(config=ContextParallelConfig(**{f"{parallel}_degree": degree}))
@@ -184,11 +187,13 @@ if __name__ == "__main__":  # torchrun --nproc-per-node N tests/test_diffusers_c
     parser.add_argument("--backend", default=None, help="diffusers attention backend (ring: one that returns LSE, "
                                                         "e.g. _native_cudnn or flash)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--real-width", action="store_true", help="the real models' attention widths (heads x 128)")
     arguments = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
-    lines = check(torch.device("cuda", rank), getattr(torch, arguments.dtype), arguments.parallel, arguments.backend)
+    lines = check(torch.device("cuda", rank), getattr(torch, arguments.dtype), arguments.parallel, arguments.backend,
+                  arguments.real_width)
     if dist.get_rank() == 0:
         print("\n".join(lines))
     dist.destroy_process_group()

@@ -20,11 +20,17 @@ integration = pytest.importorskip("ditops.integrations.diffusers")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
-def tiny_flux(dtype):
+# real_width: the attention of the real model (heads x 128, RoPE axes as the model's), all
+# else tiny; for the GPU runs under torchrun (tests/test_diffusers_context_parallel.py).
+REAL_ROPE_AXES = (16, 56, 56)
+
+
+def tiny_flux(dtype, real_width=False):
     torch.manual_seed(0)
+    heads, head_dim, axes = (24, 128, REAL_ROPE_AXES) if real_width else (2, 16, (4, 4, 8))
     model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=head_dim,
+        num_attention_heads=heads, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=axes)
     generator = torch.Generator().manual_seed(1)
     batch, image_tokens, text_tokens = 2, 12, 5
     inputs = dict(
@@ -111,10 +117,11 @@ def cast(model, dtype):
         return model.eval().to(dtype)
 
 
-def tiny_wan(dtype):
+def tiny_wan(dtype, real_width=False):
     torch.manual_seed(0)
+    heads, head_dim = (12, 128) if real_width else (2, 16)
     model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32)
     generator = torch.Generator().manual_seed(1)
     inputs = dict(hidden_states=torch.randn(2, 4, 3, 8, 8, generator=generator).to(dtype),
@@ -123,13 +130,14 @@ def tiny_wan(dtype):
     return cast(model, dtype), inputs, 2
 
 
-def tiny_qwen(dtype, edit=False):
+def tiny_qwen(dtype, edit=False, real_width=False):
     """Qwen-Image; with edit, the zero_cond_t variant whose image tokens after the first
     image take the second modulation set (modulate_index, Qwen-Image-Edit)."""
     torch.manual_seed(0)
+    heads, head_dim, axes = (24, 128, REAL_ROPE_AXES) if real_width else (2, 16, (4, 6, 6))
     model = diffusers.QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=edit)
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=head_dim, num_attention_heads=heads,
+        joint_attention_dim=32, axes_dims_rope=axes, zero_cond_t=edit)
     generator = torch.Generator().manual_seed(1)
     shapes = [(1, 4, 4), (1, 2, 4)] if edit else [(1, 4, 4)]
     tokens = sum(frames * height * width for frames, height, width in shapes)
