@@ -42,8 +42,9 @@ def shardable(name, inputs) -> dict:
         return {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :4], "txt_ids": inputs["txt_ids"][:4]}
     if name.startswith("qwen-image"):
         # No text mask: diffusers 0.42.1 splits it with the tokens and hands each rank's shard of it to
-        # attention over the whole sequence; on 2 H200s that gave NaN now and then with and without
-        # ditops' kernels (seen with ditops' reference backend). The tiny mask is all ones anyway.
+        # attention over the whole sequence; on 2 H200s that gave NaN in some patched runs (with ditops'
+        # reference backend too), and with a mask ditops now runs diffusers' own attention there anyway
+        # (tests/test_diffusers_deployments.py). The tiny mask is all ones.
         return {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :6], "encoder_hidden_states_mask": None}
     return inputs
 

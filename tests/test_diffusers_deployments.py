@@ -261,3 +261,29 @@ def test_offloading_to_the_gpu_gives_the_unpatched_result(name, mode):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the warnings naming the hooks
         assert_close_to(run(model, inputs), expected, blocks)
+
+
+def test_qwen_text_mask_under_context_parallelism_runs_diffusers_attention(monkeypatch):
+    """With a text mask and a parallel config, Qwen-Image's attention is diffusers' own (see
+    QwenQKNormRopeProcessor); without a config it is ditops'. The parallel config is faked on
+    the ditops processors only, so diffusers' processor still attends in one process. (Without
+    a mask, the parallel path is ditops': tests/test_diffusers_context_parallel.py.)"""
+    from ditops.integrations.diffusers.qwen_image import QwenQKNormRopeProcessor
+
+    model, inputs, blocks = tiny_qwen(torch.float32)
+    expected = run(model, inputs)
+    integration.apply(model)
+    original_class = type(model.transformer_blocks[0].attn.processor.original)
+    calls = []
+    original_call = original_class.__call__
+
+    def recorded(self, *args, **kwargs):
+        calls.append(True)
+        return original_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(original_class, "__call__", recorded)
+    assert_close_to(run(model, inputs), expected, blocks)
+    assert calls == []  # one process: ditops' qk_norm_rope_ path
+    monkeypatch.setattr(QwenQKNormRopeProcessor, "_parallel_config", property(lambda self: "a parallel config"))
+    assert_close_to(run(model, inputs), expected, blocks)  # the blocks' norms stay ditops'
+    assert calls == [True] * len(model.transformer_blocks)

@@ -84,13 +84,18 @@ class QwenQKNormRopeProcessor(patching.DitopsProcessor):
     """diffusers' QwenDoubleStreamAttnProcessor2_0 with each stream's q/k RMSNorm and RoPE as
     qk_norm_rope_: the text tokens with the added-projection norms and the text frequencies,
     the image tokens with the image norms and frequencies, in place on slices of the joint
-    q and k. Calls without rotary embeddings go to the original."""
+    q and k. Calls without rotary embeddings go to the original, and so do calls with a text
+    mask under context parallelism: diffusers shards that mask and attends over the whole
+    sequence with each rank's shard of it, and on 2 GPUs such calls gave NaN in some patched
+    runs (never proven to come from ditops, never seen unpatched), so there ditops computes
+    exactly what diffusers does."""
 
     bypassed = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
                  attention_mask=None, image_rotary_emb=None):
         if (image_rotary_emb is None or encoder_hidden_states is None or attention_mask is not None
+                or (encoder_hidden_states_mask is not None and self._parallel_config is not None)
                 or patching.hooked(attn, self.bypassed)):
             return self.original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
                                  image_rotary_emb)
