@@ -1,11 +1,15 @@
 """The conformance checker itself must catch wrong implementations (tests/broken_registry.yaml)."""
 
+import inspect
+
 import pytest
 import torch
 
 from conftest import TESTS
 from ditops import conformance, dispatch
 from ditops.backends import reference
+from ditops.examples import example_arguments
+from ditops.ops import PUBLIC
 
 CASE = next(case for case in conformance.CASES if case.id == "norm_scale_shift-hunyuan-chunked-mod")
 
@@ -52,13 +56,10 @@ def test_oracle_rounds_the_stored_residual_before_the_norm():
     torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("op", ["residual_norm_scale_shift", "residual_norm_scale_shift_select", "add_gate_norm_scale"])
+@pytest.mark.parametrize("op", [op for op in PUBLIC if "eps" in inspect.signature(PUBLIC[op]).parameters])
 def test_oracle_normalises_with_the_calls_eps(op):
-    """The second norm of the fused ops must use the call's eps (it once took the default):
-    with eps = 0.5 the oracle agrees with the reference backend, not with eps = 1e-6."""
-    from ditops.examples import example_arguments
-    from ditops.ops import PUBLIC
-
+    """Every norm of the oracle must use the call's eps (the second norm of the fused ops once
+    took the default): with eps = 0.5 the oracle agrees with the reference backend, not with eps = 1e-6."""
     arguments = {**example_arguments(op, (1, 8, 16), torch.float32, seed=4), "eps": 0.5}
     expected = conformance.oracle(op, arguments, torch.float32)
     outputs = PUBLIC[op](**{name: value.double() if torch.is_tensor(value) and value.is_floating_point() else value
