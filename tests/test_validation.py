@@ -280,30 +280,43 @@ def test_bad_argument_raises(op, changes, argument, got, wanted):
 
 
 def test_valid_edge_forms_pass():
-    """The boundaries of the rules above are accepted: frames that divide S, offset + S == P, Dh = 512."""
+    """The boundaries of the rules above are accepted: frames that divide S, offset + S == P, Dh = 512,
+    a cache whose rows are strided."""
     call("norm_scale_shift", scale=randn(B, 3, 1, D), shift=randn(1, 2, 1, D))
     call("rope_", positions=None, position_offset=P - T)
     call("rope_", q=randn(B, T, HQ, DH), k=None, positions=None, position_offset=P - T)
     call("rope_", q=randn(1, 1, 512), k=None, cos_sin_cache=randn(P, 512), positions=None)
     call("rope_", positions=torch.tensor([0, P - 1, 0, P - 1, 3], dtype=torch.int32))
+    call("rope_", cos_sin_cache=randn(P, 2 * R)[:, :R])  # rows strided, columns contiguous: the kernels take a row stride
 
 
 # ---- Nothing is written before validation passes.
 
+# A bad cos_sin_cache: too few rows, a wrong width, dtype, layout or device.
+BAD_CACHES = {
+    "cache-rows": {"positions": None, "position_offset": P - T + 1},
+    "cache-odd-width": {"cos_sin_cache": randn(P, R - 1)},
+    "cache-width-over-Dh": {"cos_sin_cache": randn(P, DH + 2)},
+    "cache-int64": {"cos_sin_cache": torch.ones(P, R, dtype=torch.int64)},
+    "cache-column-stride": {"cos_sin_cache": randn(R, P).t()},
+    "cache-on-meta": {"cos_sin_cache": meta(P, R)},
+}
 IN_PLACE_FAILURES = [
-    *(pytest.param(op, {"positions": torch.tensor([0, 1, 2, 3, P])}, id=f"{op}-positions-past-cache")
+    *(pytest.param(op, {"positions": torch.tensor([0, 1, 2, 3, P])}, "positions", id=f"{op}-positions-past-cache")
       for op in ROPE_OPS),
-    *(pytest.param(op, {"interleaved": "yes"}, id=f"{op}-interleaved") for op in ROPE_OPS),
-    pytest.param("qk_norm_rope_", {"k_weight": randn(DH + 2)}, id="qk_norm_rope_-k_weight"),
-    pytest.param("qk_norm_rope_", {"eps": -1.0}, id="qk_norm_rope_-eps"),
+    *(pytest.param(op, {"interleaved": "yes"}, "interleaved", id=f"{op}-interleaved") for op in ROPE_OPS),
+    *(pytest.param(op, changes, "cos_sin_cache", id=f"{op}-{rule}") for op in ROPE_OPS
+      for rule, changes in BAD_CACHES.items()),
+    pytest.param("qk_norm_rope_", {"k_weight": randn(DH + 2)}, "k_weight", id="qk_norm_rope_-k_weight"),
+    pytest.param("qk_norm_rope_", {"eps": -1.0}, "eps", id="qk_norm_rope_-eps"),
 ]
 
 
-@pytest.mark.parametrize("op, changes", IN_PLACE_FAILURES)
-def test_in_place_ops_leave_q_and_k_unchanged(op, changes):
+@pytest.mark.parametrize("op, changes, argument", IN_PLACE_FAILURES)
+def test_in_place_ops_leave_q_and_k_unchanged(op, changes, argument):
     arguments = dict(BUILDERS[op](), **changes)
     q, k = arguments["q"].clone(), arguments["k"].clone()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"^{re.escape(op)}: {argument} "):
         getattr(ditops, op)(**arguments)
     assert torch.equal(arguments["q"], q) and torch.equal(arguments["k"], k)
 
