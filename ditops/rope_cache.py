@@ -45,6 +45,8 @@ def rope_cos_sin_cache(
         positions = torch.arange(positions, device=device)
     elif positions.dtype.is_complex or positions.dtype == torch.bool:
         raise ValueError(f"rope_cos_sin_cache: positions has dtype {positions.dtype}; wanted integer or real positions")
+    if device is not None:  # device= holds for given positions too, not only for a count
+        positions = positions.to(device)
     if positions.dim() == 1:
         positions = positions[:, None]
     axes_dims = list(rotary_dim) if isinstance(rotary_dim, (list, tuple)) else [rotary_dim]

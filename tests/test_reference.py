@@ -605,6 +605,12 @@ def test_rope_cache_fractional_and_negative_positions():
     torch.testing.assert_close(cache, cos_sin64(rope_angles64(positions[:, None], [6], [10000.0])), **TIGHT)
 
 
+def test_rope_cache_is_made_on_the_device_asked_for():
+    """device= was once ignored for a tensor of positions: the cache came back on their device."""
+    assert ditops.rope_cos_sin_cache(torch.arange(4), 8, device="meta").device.type == "meta"
+    assert ditops.rope_cos_sin_cache(4, 8, device="meta").device.type == "meta"
+
+
 @pytest.mark.parametrize("thetas", [10000.0, [10000.0, 500.0, 2000.0]])
 def test_rope_cache_multi_axis_flux_like(thetas):
     """FLUX-like ids [N, 3] (text tokens at 0, image tokens at (0, h, w)), axes (4, 6, 6) -> R = 16."""
