@@ -284,6 +284,17 @@ def test_fallback_to_reference_on_a_gpu_warns_once(toy_registry, caplog):
     assert "fast: needs 16-byte aligned data pointers and strides, got 8-byte alignment, and needs D to be a multiple of 8" in warnings[0].getMessage()
 
 
+def test_fallback_warning_names_each_refusal_once(caplog):
+    """cuda's two registry entries for norm_scale_shift (the Wan-14B rows and the general
+    ones) refuse float64 at D=4608 alike: the warning says so once."""
+    caplog.set_level(logging.WARNING, logger="ditops")
+    with dispatch.simulated_device("sm_90"):
+        ditops.norm_scale_shift(**norm_arguments(hidden=4608, dtype=torch.float64))
+    message = caplog.records[-1].getMessage()
+    reasons = message.removesuffix(")").split("; ")
+    assert sum(reason.startswith("cuda: ") for reason in reasons) == 1, message
+
+
 def test_no_warning_on_cpu(caplog):
     caplog.set_level(logging.INFO, logger="ditops")
     ditops.norm_scale_shift(**norm_arguments())

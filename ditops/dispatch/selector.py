@@ -229,7 +229,9 @@ def _log_fallback(state: _Dispatcher, op: str, implementation: Implementation, f
     if implementation.name != "reference" or not features.device.is_gpu:
         return
     refusals = [c for c in candidates(op, features) if c.refusal]
-    reasons = "; ".join(f"{c.backend}: {c.refusal}" for c in refusals) or "no kernel backend is registered for it"
+    # dict.fromkeys: a backend's several registry entries that refuse alike are named once
+    reasons = "; ".join(dict.fromkeys(f"{c.backend}: {c.refusal}" for c in refusals))
+    reasons = reasons or "no kernel backend is registered for it"
     key = (op, implementation.name, reasons)
     if key in state.warned:
         return
