@@ -217,13 +217,14 @@ def test_explain_says_each_line_once(capsys, op, arch):
     assert len(lines) == len(set(lines)), out
 
 
-def test_explain_on_a_real_gpu_names_it_and_does_not_call_it_simulated(capsys, monkeypatch):
-    """On a machine with a GPU, explain dispatches on meta tensors as if on that GPU: the
-    label is the detected device's, without the "[simulated]" that --arch adds."""
+@pytest.mark.parametrize("command", [["explain", "norm_scale_shift"], ["info"]], ids=lambda command: command[0])
+def test_a_real_gpu_is_named_and_not_called_simulated(capsys, monkeypatch, command):
+    """On a machine with a GPU, explain and info dispatch on meta tensors as if on that GPU:
+    the label is the detected device's, without the "[simulated]" that --arch adds."""
     gpu = dispatch.DeviceInfo("cuda", "sm_90", "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dispatch, "current_device", lambda: gpu)
-    code, out = run(capsys, "explain", "norm_scale_shift")
-    assert code == 0 and "sm_90 (NVIDIA H100 80GB HBM3)" in out and "[simulated]" not in out, out
-    code, out = run(capsys, "explain", "norm_scale_shift", "--arch", "sm_90")
-    assert code == 0 and "[simulated]" in out, out
+    code, out = run(capsys, *command)
+    assert code == 0 and "cuda sm_90 (NVIDIA H100 80GB HBM3)" in out and "[simulated]" not in out, out
+    code, out = run(capsys, *command, "--arch", "sm_90")
+    assert code == 0 and "cuda sm_90 [simulated]" in out, out
