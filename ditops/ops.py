@@ -34,13 +34,15 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch._dynamo.callback
 from torch import Tensor
 
 from . import validation
 from .backends import reference
 from .dispatch import Features, describe
 from .dispatch.registry import Implementation
-from .dispatch.selector import call_signature, candidates, choose, dispatcher, format_table, select
+from .dispatch.selector import (call_signature, candidates, choose, dispatcher, format_table, prepare_for_tracing,
+                                select)
 
 _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
@@ -222,6 +224,9 @@ def _python_signature(schema, drop_last: int) -> inspect.Signature:
 
 
 _LIBRARY = torch.library.Library("ditops", "DEF")
+# Before Dynamo traces a frame: the registry and backends the trace-time choice reads (see
+# Op.traceable), loaded for real; traced, their file reads and imports would break the graph.
+torch._dynamo.callback.on_compile_start(prepare_for_tracing)
 
 
 # Checks: validation (raises ValueError), then the features the dispatcher reads.

@@ -241,3 +241,45 @@ def test_a_compiled_library_op_obeys_an_override_set_after_compiling():
         with pytest.raises(ditops.BackendUnavailable, match="nosuchbackend"):
             compiled(arguments["x"])
     torch.testing.assert_close(compiled(arguments["x"]), ditops.norm_scale_shift(**arguments))
+
+
+def test_compiling_loads_what_the_trace_time_choice_reads(monkeypatch):
+    """Dynamo cannot trace the file reads and imports of a first choice on a GPU (each one a
+    graph break, an error under fullgraph=True), so torch.compile calls prepare_for_tracing
+    before it traces: afterwards every backend knows whether it takes the GPU and every
+    implementation that takes it has its function imported. On the CPU the GPU is simulated."""
+    from ditops.dispatch import device as device_module
+    from ditops.dispatch import selector
+
+    assert selector.prepare_for_tracing in torch._dynamo.callback.callback_handler.start_callbacks
+    gpu = device_module.parse_arch("sm_90")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(device_module, "device_of", lambda index: gpu)
+    implementations = [i for group in selector.dispatcher().implementations.values() for i in group]
+    assert not any("function" in i.__dict__ for i in implementations)  # a fresh registry loaded nothing
+    selector.prepare_for_tracing()
+    taking = [i for i in implementations if gpu in i.backend._refusals and i.backend._refusals[gpu] is None]
+    assert {i.name for i in taking} >= {"reference", "triton"}
+    assert all("function" in i.__dict__ for i in taking)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: only a GPU call chooses its backend while traced")
+@pytest.mark.parametrize("op", ["norm_scale_shift", "qk_norm_rope_"])
+def test_a_first_call_compiled_on_a_gpu_makes_one_graph(op):
+    """The first ditops call after the registry is loaded is a compiled one: fullgraph=True
+    raises at any graph break, and the result equals eager's."""
+    ditops.reset()  # a new registry: nothing known about the GPU yet
+    torch._dynamo.reset()
+    arguments = example_arguments(op, None, torch.bfloat16, device="cuda", seed=5)
+    names = ("q", "k") if op == "qk_norm_rope_" else ("x",)
+
+    def call(*tensors):
+        result = ops.PUBLIC[op](**dict(arguments, **dict(zip(names, tensors))))
+        return tensors if result is None else result
+
+    compiled = torch.compile(call, fullgraph=True)
+    got = compiled(*(arguments[name].clone() for name in names))
+    expected = call(*(arguments[name].clone() for name in names))
+    for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
+        torch.testing.assert_close(g, e)

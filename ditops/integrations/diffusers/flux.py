@@ -87,14 +87,17 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
         if attn.added_kv_proj_dim is None:
             ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache, eps=eps)
         else:
+            # Each stream in place on its own projection, then the concatenation: the same work in
+            # eager, and under torch.compile the in-place op writes the projections' buffers
+            # directly (on slices of the concatenation Inductor copies each slice out and back).
+            context_query, context_key, context_value = (t.unflatten(-1, (-1, attn.head_dim))
+                                                          for t in (context_query, context_key, context_value))
             text = context_query.shape[1]
-            query = torch.cat([context_query.unflatten(-1, (-1, attn.head_dim)), query], dim=1)
-            key = torch.cat([context_key.unflatten(-1, (-1, attn.head_dim)), key], dim=1)
-            value = torch.cat([context_value.unflatten(-1, (-1, attn.head_dim)), value], dim=1)
-            ops.qk_norm_rope_(query[:, :text], key[:, :text], attn.norm_added_q.weight, attn.norm_added_k.weight,
+            ops.qk_norm_rope_(context_query, context_key, attn.norm_added_q.weight, attn.norm_added_k.weight,
                               cache, eps=eps)
-            ops.qk_norm_rope_(query[:, text:], key[:, text:], attn.norm_q.weight, attn.norm_k.weight, cache,
-                              eps=eps, position_offset=text)
+            ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache, eps=eps, position_offset=text)
+            query, key, value = (torch.cat(pair, dim=1) for pair in ((context_query, query), (context_key, key),
+                                                                     (context_value, value)))
         out = self.attention(query, key, value, attention_mask).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out

@@ -83,12 +83,12 @@ def _block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_st
 class QwenQKNormRopeProcessor(patching.DitopsProcessor):
     """diffusers' QwenDoubleStreamAttnProcessor2_0 with each stream's q/k RMSNorm and RoPE as
     qk_norm_rope_: the text tokens with the added-projection norms and the text frequencies,
-    the image tokens with the image norms and frequencies, in place on slices of the joint
-    q and k. Calls without rotary embeddings go to the original, and so do calls with a text
-    mask under context parallelism: diffusers shards that mask and attends over the whole
-    sequence with each rank's shard of it, and on 2 GPUs such calls gave NaN in some patched
-    runs (never proven to come from ditops, never seen unpatched), so there ditops computes
-    exactly what diffusers does."""
+    the image tokens with the image norms and frequencies, in place on each stream's q and k
+    before they are joined. Calls without rotary embeddings go to the original, and so do
+    calls with a text mask under context parallelism: diffusers shards that mask and attends
+    over the whole sequence with each rank's shard of it, and on 2 GPUs such calls gave NaN in
+    some patched runs (never proven to come from ditops, never seen unpatched), so there
+    ditops computes exactly what diffusers does."""
 
     bypassed = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
@@ -104,17 +104,19 @@ class QwenQKNormRopeProcessor(patching.DitopsProcessor):
             attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
         text = encoder_hidden_states.shape[1]
         head_size = attn.inner_dim // attn.heads
-        joint = [torch.cat([text_projection(encoder_hidden_states), image_projection(hidden_states)], dim=1)
-                 .unflatten(-1, (-1, head_size))
-                 for text_projection, image_projection in ((attn.add_q_proj, attn.to_q), (attn.add_k_proj, attn.to_k),
-                                                           (attn.add_v_proj, attn.to_v))]
-        query, key, value = joint
         image_frequencies, text_frequencies = image_rotary_emb  # complex [S, Dh / 2] per stream
         eps = attn.norm_q.eps
-        for tokens, q_norm, k_norm, frequencies in ((slice(0, text), attn.norm_added_q, attn.norm_added_k, text_frequencies),
-                                                    (slice(text, None), attn.norm_q, attn.norm_k, image_frequencies)):
-            ops.qk_norm_rope_(query[:, tokens], key[:, tokens], q_norm.weight, k_norm.weight,
-                              patching.complex_cache(frequencies), eps=eps)
+        streams = []  # (q, k, v) of the text, then of the image
+        for states, projections, q_norm, k_norm, frequencies in (
+                (encoder_hidden_states, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), attn.norm_added_q,
+                 attn.norm_added_k, text_frequencies),
+                (hidden_states, (attn.to_q, attn.to_k, attn.to_v), attn.norm_q, attn.norm_k, image_frequencies)):
+            query, key, value = (projection(states).unflatten(-1, (-1, head_size)) for projection in projections)
+            # in place on the stream's own projections, before the concatenation: under
+            # torch.compile, on slices of the concatenation Inductor copies each slice out and back
+            ops.qk_norm_rope_(query, key, q_norm.weight, k_norm.weight, patching.complex_cache(frequencies), eps=eps)
+            streams.append((query, key, value))
+        query, key, value = (torch.cat(pair, dim=1) for pair in zip(*streams))
         out = self.attention(query, key, value, attention_mask).flatten(2, 3).to(query.dtype)
         image_out = attn.to_out[0](out[:, text:].contiguous())
         if len(attn.to_out) > 1:
