@@ -16,12 +16,13 @@ An eager call of an op:
 Everything a plan assumes is in its key, so a call that would fail validation never finds
 a plan: it builds one, and fails there. The plan table is bounded and shared by threads.
 
-Under torch.compile the public functions emit graph nodes instead (``Op.__call__``): where
-the Triton backend serves a functional op, a ``torch.library.triton_op`` whose body hands
-the Triton kernel to Inductor (``wrap_triton``), which launches it from its own generated
-code; otherwise the plain ``torch.library`` op (``(a!)`` marks what the in-place ops
-write), whose kernel is the eager path above. The backend and launch settings of the
-Triton node are chosen at trace time from the tensors' metadata (see ``traceable``).
+Under torch.compile the public functions emit graph nodes instead (``Op.__call__``), and
+Dynamo reads nothing of the registry. A functional op on a GPU becomes ``<op>_traced``, a
+``torch.library.triton_op`` whose body, run when the graph is traced, chooses the backend
+from the tensors' metadata: Triton's kernel is handed to Inductor (``wrap_triton``), which
+launches it from its own generated code; any other choice becomes the plain library op.
+The in-place ops and every op on the CPU are the plain ``torch.library`` op (``(a!)`` marks
+what the in-place ops write), whose kernel is the eager path above.
 
 Backends are called as ``function(*op_arguments, *outputs)``: the op's arguments in the
 order of its signature, then the new output tensors to write (none for in-place ops).
@@ -34,15 +35,13 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch._dynamo.callback
 from torch import Tensor
 
 from . import validation
 from .backends import reference
 from .dispatch import Features, describe
 from .dispatch.registry import Implementation
-from .dispatch.selector import (call_signature, candidates, choose, dispatcher, format_table, prepare_for_tracing,
-                                select)
+from .dispatch.selector import call_signature, candidates, choose, dispatcher, format_table, select
 
 _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
@@ -143,24 +142,12 @@ class Op:
             return self.run(arguments, backend)
         if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in arguments):
             return self.traced_reference(arguments)
-        if self.traceable(arguments, backend):
-            result = getattr(torch.ops.ditops, self.name + "_triton")(*arguments)
-        else:
-            result = getattr(torch.ops.ditops, self.name)(*arguments, backend)
+        # Dynamo reads nothing of the registry here: each object it read would be a guard
+        # checked on every call of the compiled code, and a first read (a file, an import)
+        # a graph break. The choice is made where the graph node is traced (_register_traced).
+        traced = not self.in_place and arguments[0].is_cuda
+        result = getattr(torch.ops.ditops, self.name + ("_traced" if traced else ""))(*arguments, backend)
         return (result,) if isinstance(result, Tensor) else tuple(result or ())
-
-    def traceable(self, arguments: tuple, backend: Optional[str]) -> bool:
-        """Whether a compiled graph gets this call as a Triton kernel that Inductor launches:
-        a functional op (in-place ones stay ``(a!)`` library ops, see docs/call-path.md) on a
-        GPU, for which the dispatcher, given the tensors' metadata, chooses a backend whose
-        function can ``trace``. Alignment is read from storage offsets and strides: the
-        buffers Inductor allocates and the inputs it assumes aligned are 16-byte aligned."""
-        if self.in_place or not arguments[0].is_cuda:
-            return False
-        features = self.check(*arguments)
-        if features is None or not features.device.is_gpu:
-            return False
-        return getattr(choose(self.name, features, backend).function, "trace", None) is not None
 
     def traced_reference(self, arguments: tuple) -> tuple:
         """Under torch.compile with inputs that require grad: the reference math, traced into
@@ -184,30 +171,38 @@ class Op:
         _LIBRARY.define(self.name + self.schema)
         _LIBRARY.impl(self.name, real, "CompositeExplicitAutograd")
         torch.library.register_fake(f"ditops::{self.name}", fake, lib=_LIBRARY)
-        if not self.in_place:  # the functional ops: a Triton node for Inductor too
-            self._register_triton()
+        if not self.in_place:  # the functional ops: a node that can be Triton for Inductor too
+            self._register_traced()
 
-    def _register_triton(self) -> None:
-        """``ditops::<op>_triton``: the op's Triton kernel as Inductor sees it (the schema
-        without the backend override: the backend is fixed when the graph is traced)."""
+    def _register_traced(self) -> None:
+        """``ditops::<op>_traced``: a functional op on a GPU as a compiled graph holds it, a
+        ``torch.library.triton_op``. Its body runs when the graph is traced (fake tensors, real
+        Python: the registry is read there, not by Dynamo): it validates the call, chooses the
+        backend from the tensors' metadata and the override, and hands the Triton kernel to
+        Inductor (``wrap_triton``) when Triton is chosen, so that Inductor launches it from its
+        own generated code; any other choice becomes the library op, which dispatches again
+        on every call."""
 
         def body(*arguments):
-            outputs = self.outputs(*arguments)
-            trace = next(trace for implementation in dispatcher().implementations[self.name]
-                         if (trace := getattr(implementation.function, "trace", None)) is not None)
-            trace(*arguments, *outputs)
+            features = self.check(*arguments[:-1])
+            function = choose(self.name, features, arguments[-1]).function
+            trace = getattr(function, "trace", None)
+            if trace is None:
+                return getattr(torch.ops.ditops, self.name)(*arguments)
+            outputs = self.outputs(*arguments[:-1])
+            trace(*arguments[:-1], *outputs)
             return outputs[0] if len(outputs) == 1 else outputs
 
         schema = torch._C.parse_schema(self.name + self.schema)
-        body.__signature__ = _python_signature(schema, drop_last=1)  # triton_op reads its schema from this
-        torch.library.triton_op(f"ditops::{self.name}_triton", body, mutates_args=())
+        body.__signature__ = _python_signature(schema)  # triton_op reads its schema from this
+        torch.library.triton_op(f"ditops::{self.name}_traced", body, mutates_args=())
 
 
 _PYTHON_TYPES = {"Tensor": Tensor, "str": str, "float": float, "bool": bool, "SymInt": int, "int": int}
 
 
-def _python_signature(schema, drop_last: int) -> inspect.Signature:
-    """The annotated Python signature of a torch.library schema, without its last arguments."""
+def _python_signature(schema) -> inspect.Signature:
+    """The annotated Python signature of a torch.library schema."""
 
     def annotation(type_text: str):
         optional = type_text.startswith("Optional[")
@@ -216,7 +211,7 @@ def _python_signature(schema, drop_last: int) -> inspect.Signature:
 
     parameters = [
         inspect.Parameter(argument.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation(str(argument.type)))
-        for argument in schema.arguments[: len(schema.arguments) - drop_last]
+        for argument in schema.arguments
     ]
     returns = [Tensor] * len(schema.returns)
     return_annotation = returns[0] if len(returns) == 1 else tuple.__class_getitem__(tuple(returns))
@@ -224,9 +219,6 @@ def _python_signature(schema, drop_last: int) -> inspect.Signature:
 
 
 _LIBRARY = torch.library.Library("ditops", "DEF")
-# Before Dynamo traces a frame: the registry and backends the trace-time choice reads (see
-# Op.traceable), loaded for real; traced, their file reads and imports would break the graph.
-torch._dynamo.callback.on_compile_start(prepare_for_tracing)
 
 
 # Checks: validation (raises ValueError), then the features the dispatcher reads.

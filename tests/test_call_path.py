@@ -243,33 +243,12 @@ def test_a_compiled_library_op_obeys_an_override_set_after_compiling():
     torch.testing.assert_close(compiled(arguments["x"]), ditops.norm_scale_shift(**arguments))
 
 
-def test_compiling_loads_what_the_trace_time_choice_reads(monkeypatch):
-    """Dynamo cannot trace the file reads and imports of a first choice on a GPU (each one a
-    graph break, an error under fullgraph=True), so torch.compile calls prepare_for_tracing
-    before it traces: afterwards every backend knows whether it takes the GPU and every
-    implementation that takes it has its function imported. On the CPU the GPU is simulated."""
-    from ditops.dispatch import device as device_module
-    from ditops.dispatch import selector
-
-    assert selector.prepare_for_tracing in torch._dynamo.callback.callback_handler.start_callbacks
-    gpu = device_module.parse_arch("sm_90")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(device_module, "device_of", lambda index: gpu)
-    implementations = [i for group in selector.dispatcher().implementations.values() for i in group]
-    assert not any("function" in i.__dict__ for i in implementations)  # a fresh registry loaded nothing
-    selector.prepare_for_tracing()
-    taking = [i for i in implementations if gpu in i.backend._refusals and i.backend._refusals[gpu] is None]
-    assert {i.name for i in taking} >= {"reference", "triton"}
-    assert all("function" in i.__dict__ for i in taking)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: only a GPU call chooses its backend while traced")
 @pytest.mark.parametrize("op", ["norm_scale_shift", "qk_norm_rope_"])
 def test_a_first_call_compiled_on_a_gpu_makes_one_graph(op):
     """The first ditops call after the registry is loaded is a compiled one: fullgraph=True
     raises at any graph break, and the result equals eager's."""
-    ditops.reset()  # a new registry: nothing known about the GPU yet
+    dispatch.reset()  # a new registry: nothing known about the GPU yet
     torch._dynamo.reset()
     arguments = example_arguments(op, None, torch.bfloat16, device="cuda", seed=5)
     names = ("q", "k") if op == "qk_norm_rope_" else ("x",)
@@ -283,3 +262,24 @@ def test_a_first_call_compiled_on_a_gpu_makes_one_graph(op):
     expected = call(*(arguments[name].clone() for name in names))
     for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["cpu_reference", "simulated_gpu_triton"])
+def test_the_traced_node_chooses_when_it_runs(simulated):
+    """``<op>_traced``, the node a compiled graph holds for a functional op on a GPU, chooses
+    its backend in its own body: the library op (CPU: the reference) or Triton's kernel through
+    wrap_triton (a simulated GPU: Triton's interpreter). Both give the eager result, and a
+    forced backend that cannot run the call is refused there."""
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32, seed=4)
+    ordered, _ = ops.ordered_arguments("norm_scale_shift", **arguments)
+    context = simulated_device("sm_90") if simulated else contextlib.nullcontext()
+    with context:
+        got = torch.ops.ditops.norm_scale_shift_traced(*ordered, None)
+        expected = ditops.norm_scale_shift(**arguments, backend="reference")
+        # traced as a graph is: the body runs on fake tensors
+        node = torch.compile(lambda *values: torch.ops.ditops.norm_scale_shift_traced(*values, None),
+                             backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(node(*ordered), expected)
+        with pytest.raises(ditops.BackendUnavailable, match="nosuchbackend"):
+            torch.ops.ditops.norm_scale_shift_traced(*ordered, "nosuchbackend")
+    torch.testing.assert_close(got, expected)

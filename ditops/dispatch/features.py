@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .device import DeviceInfo, device_of
 
@@ -46,7 +47,8 @@ def describe(
     address_bits = 0  # OR of every data pointer and stride in bytes: its lowest set bit is their alignment
     unit_stride = True
     grad_enabled = torch.is_grad_enabled()
-    tracing = torch.compiler.is_compiling()
+    # traced: by Dynamo, or a graph node's body run on fake tensors (ops.py: <op>_traced)
+    tracing = torch.compiler.is_compiling() or is_fake(activations[0])
     requires_grad = False
     param_dtypes = []
     first_param = len(activations)

@@ -195,24 +195,6 @@ def choose(op: str, features: Features, backend: Optional[str] = None) -> Implem
     raise BackendUnavailable(f"ditops.{op}: {headline}\n{format_table(features, refusals)}")
 
 
-def prepare_for_tracing(*_) -> None:
-    """Loads everything ``choose`` reads for the GPUs in use: the registry, each backend's
-    refusal of each device, the functions of the implementations that accept it. Dynamo
-    cannot trace a file read or an import: met while tracing, each is a graph break (and an
-    error under ``fullgraph=True``). ops.py has torch.compile call this before it traces a
-    frame; after the first time it only finds everything loaded. A GPU is looked at only
-    once CUDA is initialized: a CPU model's compile must not initialize it."""
-    if not torch.cuda.is_initialized():
-        return
-    state = dispatcher()
-    for index in range(torch.cuda.device_count()):
-        device = device_module.device_of(index)
-        for implementations in state.implementations.values():
-            for implementation in implementations:
-                if implementation.backend.refusal(device) is None:
-                    implementation.function  # noqa: B018  imports its module once
-
-
 def format_table(features: Features, rows: list) -> str:
     lines = [f"  input: {describe_features(features)}"]
     width = max((len(row.backend) for row in rows), default=0)
