@@ -264,7 +264,9 @@ def test_a_first_call_compiled_on_a_gpu_makes_one_graph(op):
         torch.testing.assert_close(g, e)
 
 
-@pytest.mark.parametrize("simulated", [False, True], ids=["cpu_reference", "simulated_gpu_triton"])
+@pytest.mark.parametrize("simulated", [False, pytest.param(True, marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="Triton runs CPU tensors only in its interpreter, which the tests use without a GPU"))],
+    ids=["cpu_reference", "simulated_gpu_triton"])
 def test_the_traced_node_chooses_when_it_runs(simulated):
     """``<op>_traced``, the node a compiled graph holds for a functional op on a GPU, chooses
     its backend in its own body: the library op (CPU: the reference) or Triton's kernel through
