@@ -185,8 +185,9 @@ class Op:
 
         def body(*arguments):
             features = self.check(*arguments[:-1])
-            function = choose(self.name, features, arguments[-1]).function
-            trace = getattr(function, "trace", None)
+            trace = None  # an empty input (no features) or a backend Inductor cannot launch: the library op
+            if features is not None:
+                trace = getattr(choose(self.name, features, arguments[-1]).function, "trace", None)
             if trace is None:
                 return getattr(torch.ops.ditops, self.name)(*arguments)
             outputs = self.outputs(*arguments[:-1])

@@ -285,3 +285,13 @@ def test_the_traced_node_chooses_when_it_runs(simulated):
         with pytest.raises(ditops.BackendUnavailable, match="nosuchbackend"):
             torch.ops.ditops.norm_scale_shift_traced(*ordered, "nosuchbackend")
     torch.testing.assert_close(got, expected)
+
+
+def test_the_traced_node_returns_an_empty_input_as_eager_does():
+    """An empty input has no features to choose a backend by: the node returns what eager does."""
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32, seed=4)
+    arguments["x"] = arguments["x"][:, :0]
+    ordered, _ = ops.ordered_arguments("norm_scale_shift", **arguments)
+    got = torch.ops.ditops.norm_scale_shift_traced(*ordered, None)
+    assert got.shape == (2, 0, 64) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ditops.norm_scale_shift(**arguments))
