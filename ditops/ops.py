@@ -17,12 +17,14 @@ Everything a plan assumes is in its key, so a call that would fail validation ne
 a plan: it builds one, and fails there. The plan table is bounded and shared by threads.
 
 Under torch.compile the public functions emit graph nodes instead (``Op.__call__``), and
-Dynamo reads nothing of the registry. A functional op on a GPU becomes ``<op>_traced``, a
+Dynamo reads nothing of the registry. An op on a GPU becomes ``<op>_traced``, a functional
 ``torch.library.triton_op`` whose body, run when the graph is traced, chooses the backend
 from the tensors' metadata: Triton's kernel is handed to Inductor (``wrap_triton``), which
 launches it from its own generated code; any other choice becomes the plain library op.
-The in-place ops and every op on the CPU are the plain ``torch.library`` op (``(a!)`` marks
-what the in-place ops write), whose kernel is the eager path above.
+An in-place op's node returns new q and k, copied back into q and k (functionalization
+drops those copies where q and k are intermediates of the graph). Every op on the CPU is
+the plain ``torch.library`` op (``(a!)`` marks what the in-place ops write), whose kernel is
+the eager path above.
 
 Backends are called as ``function(*op_arguments, *outputs)``: the op's arguments in the
 order of its signature, then the new output tensors to write (none for in-place ops).
@@ -145,8 +147,19 @@ class Op:
         # Dynamo reads nothing of the registry here: each object it read would be a guard
         # checked on every call of the compiled code, and a first read (a file, an import)
         # a graph break. The choice is made where the graph node is traced (_register_traced).
-        traced = not self.in_place and arguments[0].is_cuda
-        result = getattr(torch.ops.ditops, self.name + ("_traced" if traced else ""))(*arguments, backend)
+        if not arguments[0].is_cuda:
+            result = getattr(torch.ops.ditops, self.name)(*arguments, backend)
+        elif self.in_place:
+            # The functional node's new q and k, copied back: where q and k are intermediates
+            # of the graph (every patched processor), functionalization removes the copies.
+            q, k = arguments[:2]
+            new_q, new_k = getattr(torch.ops.ditops, self.name + "_traced")(*arguments, backend)
+            q.copy_(new_q)
+            if k is not None:
+                k.copy_(new_k)
+            return ()
+        else:
+            result = getattr(torch.ops.ditops, self.name + "_traced")(*arguments, backend)
         return (result,) if isinstance(result, Tensor) else tuple(result or ())
 
     def traced_reference(self, arguments: tuple) -> tuple:
@@ -171,31 +184,48 @@ class Op:
         _LIBRARY.define(self.name + self.schema)
         _LIBRARY.impl(self.name, real, "CompositeExplicitAutograd")
         torch.library.register_fake(f"ditops::{self.name}", fake, lib=_LIBRARY)
-        if not self.in_place:  # the functional ops: a node that can be Triton for Inductor too
-            self._register_traced()
+        self._register_traced()
 
     def _register_traced(self) -> None:
-        """``ditops::<op>_traced``: a functional op on a GPU as a compiled graph holds it, a
-        ``torch.library.triton_op``. Its body runs when the graph is traced (fake tensors, real
-        Python: the registry is read there, not by Dynamo): it validates the call, chooses the
-        backend from the tensors' metadata and the override, and hands the Triton kernel to
-        Inductor (``wrap_triton``) when Triton is chosen, so that Inductor launches it from its
-        own generated code; any other choice becomes the library op, which dispatches again
-        on every call."""
+        """``ditops::<op>_traced``: the op on a GPU as a compiled graph holds it, a functional
+        ``torch.library.triton_op`` (an in-place op returns new q and k, which ``__call__``
+        copies back). Its body runs when the graph is traced (fake tensors, real Python: the
+        registry is read there, not by Dynamo): it validates the call, chooses the backend from
+        the tensors' metadata and the override, and hands the Triton kernel to Inductor
+        (``wrap_triton``) when Triton is chosen, so that Inductor launches it from its own
+        generated code. Any other choice, an empty input, or positions whose values must be
+        checked on every call (an in-place op's ``check_values``) become the library op,
+        which dispatches again on every call (an in-place op: on copies of q and k).
+
+        The rule for a mutating ``triton_op`` on q/k views (it crashed under compile, torch
+        2.11) is why the in-place ops are functional here."""
+        schema = torch._C.parse_schema(self.name + self.schema)
+        names = [argument.name for argument in schema.arguments]
 
         def body(*arguments):
-            features = self.check(*arguments[:-1])
-            trace = None  # an empty input (no features) or a backend Inductor cannot launch: the library op
-            if features is not None:
-                trace = getattr(choose(self.name, features, arguments[-1]).function, "trace", None)
+            op_arguments, backend = arguments[:-1], arguments[-1]
+            features = self.check(*op_arguments)
+            trace = None
+            if features is not None and not (self.in_place and dict(zip(names, op_arguments))["positions"] is not None):
+                trace = getattr(choose(self.name, features, backend).function, "trace", None)
             if trace is None:
-                return getattr(torch.ops.ditops, self.name)(*arguments)
-            outputs = self.outputs(*arguments[:-1])
-            trace(*arguments[:-1], *outputs)
+                if not self.in_place:
+                    return getattr(torch.ops.ditops, self.name)(*arguments)
+                q, k = (t.clone() if t is not None else None for t in op_arguments[:2])
+                getattr(torch.ops.ditops, self.name)(q, k, *arguments[2:])
+                return q, (k if k is not None else q.new_empty(0))
+            if self.in_place:
+                q, k = op_arguments[:2]
+                outputs = (_new(q), _new(k) if k is not None else None)
+                trace(*op_arguments, *outputs)
+                return outputs[0], (outputs[1] if k is not None else q.new_empty(0))
+            outputs = self.outputs(*op_arguments)
+            trace(*op_arguments, *outputs)
             return outputs[0] if len(outputs) == 1 else outputs
 
-        schema = torch._C.parse_schema(self.name + self.schema)
-        body.__signature__ = _python_signature(schema)  # triton_op reads its schema from this
+        functional = torch._C.parse_schema(
+            self.name + self.schema.replace("(a!)", "").replace("(b!)", "").replace("-> ()", "-> (Tensor, Tensor)"))
+        body.__signature__ = _python_signature(functional)  # triton_op reads its schema from this
         torch.library.triton_op(f"ditops::{self.name}_traced", body, mutates_args=())
 
 

@@ -2,6 +2,7 @@
 it, the per-call checks that stay per call, and in-place arguments that share memory."""
 
 import contextlib
+import re
 import threading
 
 import pytest
@@ -264,6 +265,25 @@ def test_a_first_call_compiled_on_a_gpu_makes_one_graph(op):
         torch.testing.assert_close(g, e)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: only a GPU call compiles to a Triton node")
+def test_a_compiled_triton_node_keeps_its_backend_until_dynamo_is_reset():
+    """A Triton node chose its backend when traced; Inductor launches it with no ditops code
+    in between, so an override set after compiling is not seen (no recompile either) until
+    ``torch._dynamo.reset()``, after which the next trace reads it."""
+    torch._dynamo.reset()
+    arguments = example_arguments("norm_scale_shift", (2, 64, 256), torch.bfloat16, device="cuda", seed=6)
+    expected = ditops.norm_scale_shift(**arguments)
+    compiled = torch.compile(lambda x: ditops.norm_scale_shift(**dict(arguments, x=x)), fullgraph=True)
+    torch.testing.assert_close(compiled(arguments["x"]), expected)
+    with ditops.use_backend("nosuchbackend"):
+        torch.testing.assert_close(compiled(arguments["x"]), expected)  # the traced Triton node, unchanged
+        torch._dynamo.reset()
+        # raised by the node's body while Dynamo traces it, which wraps what it raises
+        with pytest.raises((ditops.BackendUnavailable, torch._dynamo.exc.TorchDynamoException), match="nosuchbackend"):
+            compiled(arguments["x"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("simulated", [False, pytest.param(True, marks=pytest.mark.skipif(
     torch.cuda.is_available(), reason="Triton runs CPU tensors only in its interpreter, which the tests use without a GPU"))],
     ids=["cpu_reference", "simulated_gpu_triton"])
@@ -295,3 +315,70 @@ def test_the_traced_node_returns_an_empty_input_as_eager_does():
     got = torch.ops.ditops.norm_scale_shift_traced(*ordered, None)
     assert got.shape == (2, 0, 64) and got.dtype == torch.float32
     torch.testing.assert_close(got, ditops.norm_scale_shift(**arguments))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: only a GPU call compiles to the functional node")
+@pytest.mark.parametrize("op", ["qk_norm_rope_", "rope_"])
+@pytest.mark.parametrize("form", ["views_of_a_projection", "graph_inputs", "positions", "k_none"])
+def test_an_in_place_op_compiles_to_its_eager_result(op, form):
+    """Compiled, an in-place op is a functional node whose new q and k are copied back. On q/k
+    views of a fused projection (the case that crashed a mutating triton_op), on tensors
+    passed into the graph (the copy back must reach the caller's tensors), with positions
+    (checked per call: the library op) and rope_ without k, it matches eager, and in the
+    views case Inductor launches no copy kernel for it."""
+    if op == "qk_norm_rope_" and form == "k_none":
+        pytest.skip("qk_norm_rope_ needs k")
+    torch._dynamo.reset()
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    batch, tokens, heads, head_size = 2, 96, 4, 64
+    dtype = torch.bfloat16
+    x = torch.randn(batch, tokens, 3 * heads * head_size, device="cuda", dtype=dtype, generator=generator)
+    cache = ditops.rope_cos_sin_cache(tokens, head_size).to("cuda")
+    weights = [torch.randn(head_size, device="cuda", generator=generator) for _ in range(2)]
+    positions = torch.randint(0, tokens, (batch, tokens), device="cuda", generator=generator) if form == "positions" else None
+
+    def rotate(q, k):
+        if op == "qk_norm_rope_":
+            return ditops.qk_norm_rope_(q, k, *weights, cache, positions, interleaved=False)
+        return ditops.rope_(q, None if form == "k_none" else k, cache, positions, interleaved=False)
+
+    def block(x):
+        q, k, v = x.unflatten(-1, (3, heads, head_size)).unbind(-3)
+        rotate(q, k)
+        return torch.cat([q, k, v], dim=-1) * 2
+
+    if form == "graph_inputs":
+        q, k = (torch.randn(batch, tokens, heads, head_size, device="cuda", dtype=dtype, generator=generator) for _ in range(2))
+        expected = rotate(q.clone(), k.clone())
+        compiled = torch.compile(lambda q, k: rotate(q, k), fullgraph=True)
+        compiled(q, k)
+        torch.testing.assert_close((q, k), expected)
+        return
+    expected = block(x.clone())
+    got, (code,) = torch._inductor.utils.run_and_get_code(torch.compile(block, fullgraph=True), x.clone())
+    torch.testing.assert_close(got, expected)
+    if form == "views_of_a_projection":
+        launched = set(re.findall(r"^def (triton_\w+)\(", code, flags=re.MULTILINE)) | set(re.findall(r"(triton_\w+)\.run\(", code))
+        assert not [name for name in launched if "copy" in name or "scatter" in name], launched
+
+
+@pytest.mark.parametrize("simulated", [False, pytest.param(True, marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="Triton runs CPU tensors only in its interpreter, which the tests use without a GPU"))],
+    ids=["cpu_reference", "simulated_gpu_triton"])
+@pytest.mark.parametrize("op", ["qk_norm_rope_", "rope_"])
+@pytest.mark.parametrize("with_positions", [False, True], ids=["offsets", "positions"])
+def test_the_traced_node_of_an_in_place_op_returns_new_q_and_k(simulated, op, with_positions):
+    """``<op>_traced`` of an in-place op leaves q and k as they were and returns what eager
+    writes into them: through Triton's kernel writing new tensors, or (positions, whose values
+    are checked per call) through the library op on copies."""
+    arguments = example_arguments(op, None, torch.float32, seed=3)
+    if not with_positions:
+        arguments["positions"] = None
+    ordered, _ = ops.ordered_arguments(op, **arguments)
+    before = [arguments[name].clone() for name in ("q", "k")]
+    with simulated_device("sm_90") if simulated else contextlib.nullcontext():
+        new_q, new_k = getattr(torch.ops.ditops, op + "_traced")(*ordered, None)
+    torch.testing.assert_close([arguments["q"], arguments["k"]], before, rtol=0, atol=0)
+    expected = dict(arguments, q=before[0].clone(), k=before[1].clone())
+    ops.PUBLIC[op](**expected, backend="reference")
+    torch.testing.assert_close([new_q, new_k], [expected["q"], expected["k"]])

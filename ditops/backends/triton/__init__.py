@@ -120,9 +120,13 @@ def add_gate_norm_scale_launch(x, branch, gate, scale, weight, bias, weight2, bi
     return _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
 
 
-def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm):
+def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm, q_out, k_out):
+    q_out = q if q_out is None else q_out
+    k_out = k if k_out is None else k_out
     batch, tokens, q_batch_stride, q_token_stride = tokens_of(q)
     _, _, k_batch_stride, k_token_stride = tokens_of(k) if k is not None else (0, 0, 0, 0)
+    _, _, q_out_batch_stride, q_out_token_stride = tokens_of(q_out)
+    _, _, k_out_batch_stride, k_out_token_stride = tokens_of(k_out) if k is not None else (0, 0, 0, 0)
     head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
     heads = max(q.shape[-2], k.shape[-2] if k is not None else 0)
     launch = rotary_launch(head_size, rotary_dim, heads, vendor_of(q))
@@ -132,6 +136,8 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     return KernelLaunch(rotary_kernel, (batch * tokens,), (
         q, q_batch_stride, q_token_stride, q.shape[-2],
         k, k_batch_stride, k_token_stride, k.shape[-2] if k is not None else 0,
+        q_out, q_out_batch_stride, q_out_token_stride,
+        k_out, k_out_batch_stride, k_out_token_stride,
         q_weight, k_weight,
         cos_sin_cache, cos_sin_cache.stride(0),
         positions, positions_batch_stride, positions_token_stride, position_offset,
@@ -144,12 +150,15 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     ))
 
 
-def qk_norm_rope__launch(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset):
-    return _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm=True)
+# The in-place ops write q and k themselves; given q_out and k_out (a compiled graph's
+# functional node, ditops/ops.py), they write those instead and leave q and k as they were.
+def qk_norm_rope__launch(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset,
+                         q_out=None, k_out=None):
+    return _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, True, q_out, k_out)
 
 
-def rope__launch(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
-    return _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, norm=False)
+def rope__launch(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, q_out=None, k_out=None):
+    return _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, False, q_out, k_out)
 
 
 def _op_function(launch_of):

@@ -1,4 +1,7 @@
-"""RoPE in place on q and k, optionally after an RMSNorm of each head (ops 5 and 6).
+"""RoPE on q and k, optionally after an RMSNorm of each head (ops 5 and 6).
+
+The results go to q_out and k_out: q and k themselves in eager (in place), new tensors in a
+compiled graph, whose functional node lets Inductor drop the copies around an in-place op.
 
 One program per token: it reads the token's cos/sin row once and applies it to every q and
 k head, BLOCK_HEADS heads at a time as a [heads, Dh] tile. A head is loaded as its rotated
@@ -12,7 +15,7 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_heads(
-    base, head_stride, heads, weight, cos, sin, head_size, rotary_dim, eps,
+    base, target, head_stride, heads, weight, cos, sin, head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
@@ -22,6 +25,7 @@ def _rotate_heads(
     for first_head in range(0, heads, BLOCK_HEADS):
         head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
         row = base + head * head_stride
+        out = target + head * head_stride
         pair_mask = (head < heads) & (pair < half)
         rest_mask = (head < heads) & (rest < head_size)
         if INTERLEAVED:
@@ -43,22 +47,24 @@ def _rotate_heads(
                 x1 = x1 * tl.load(weight + first_index, mask=in_pair, other=0.0).to(tl.float32)
                 x2 = x2 * tl.load(weight + second_index, mask=in_pair, other=0.0).to(tl.float32)
                 tail = tail * tl.load(weight + rest, mask=rest < head_size, other=0.0).to(tl.float32)
-            tl.store(row + rest, tail.to(base.dtype.element_ty), mask=rest_mask)
-        out1 = (x1 * cos - x2 * sin).to(base.dtype.element_ty)
-        out2 = (x2 * cos + x1 * sin).to(base.dtype.element_ty)
+            tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask)
+        out1 = (x1 * cos - x2 * sin).to(target.dtype.element_ty)
+        out2 = (x2 * cos + x1 * sin).to(target.dtype.element_ty)
         if INTERLEAVED:
             both = tl.arange(0, 2 * BLOCK_HALF)[None, :]
             tile = tl.reshape(tl.join(out1, out2), (BLOCK_HEADS, 2 * BLOCK_HALF))
-            tl.store(row + both, tile, mask=(head < heads) & (both < rotary_dim))
+            tl.store(out + both, tile, mask=(head < heads) & (both < rotary_dim))
         else:
-            tl.store(row + pair, out1, mask=pair_mask)
-            tl.store(row + half + pair, out2, mask=pair_mask)
+            tl.store(out + pair, out1, mask=pair_mask)
+            tl.store(out + half + pair, out2, mask=pair_mask)
 
 
 @triton.jit
 def rotary_kernel(
     q, q_batch_stride, q_token_stride, q_heads,
     k, k_batch_stride, k_token_stride, k_heads,
+    q_out, q_out_batch_stride, q_out_token_stride,
+    k_out, k_out_batch_stride, k_out_token_stride,
     q_weight, k_weight,
     cache, cache_row_stride,
     positions, positions_batch_stride, positions_token_stride, position_offset,
@@ -78,8 +84,10 @@ def rotary_kernel(
     cache_row = cache + position * cache_row_stride
     cos = tl.load(cache_row + pair, mask=pair < half, other=0.0).to(tl.float32)
     sin = tl.load(cache_row + half + pair, mask=pair < half, other=0.0).to(tl.float32)
-    _rotate_heads(q + batch * q_batch_stride + token * q_token_stride, head_size, q_heads, q_weight, cos, sin,
+    _rotate_heads(q + batch * q_batch_stride + token * q_token_stride,
+                  q_out + batch * q_out_batch_stride + token * q_out_token_stride, head_size, q_heads, q_weight, cos, sin,
                   head_size, rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
     if HAS_K:
-        _rotate_heads(k + batch * k_batch_stride + token * k_token_stride, head_size, k_heads, k_weight, cos, sin,
+        _rotate_heads(k + batch * k_batch_stride + token * k_token_stride,
+                      k_out + batch * k_out_batch_stride + token * k_out_token_stride, head_size, k_heads, k_weight, cos, sin,
                       head_size, rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
