@@ -186,8 +186,14 @@ def oracle(op: str, arguments: dict, dtype: torch.dtype) -> tuple:
     return expected
 
 
-def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> Optional[str]:
-    """None if ``actual`` meets OPS.md's tolerances against the float64 ``expected``, else why not."""
+def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+            conditioning: float = 1.0) -> Optional[str]:
+    """None if ``actual`` meets OPS.md's tolerances against the float64 ``expected``, else why not.
+
+    ``conditioning`` (>= 1): how much the inputs' rows amplify the float32 arithmetic's
+    rounding (a LayerNorm row of tiny variance around a large mean: tests/test_fuzz.py); the
+    norm-wise bound grows by 4 float32 eps for each unit above 1, the output's own rounding
+    (4 eps of its dtype) is unchanged."""
     if actual.shape != expected.shape or actual.dtype != dtype:
         return f"{name}: got {list(actual.shape)} {actual.dtype}, wanted {list(expected.shape)} {dtype}"
     if actual.numel() == 0:
@@ -206,9 +212,10 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torc
         )
     finite = expected.isfinite()
     relative = (actual[finite] - expected[finite]).norm() / expected[finite].norm().clamp_min(1e-30)
-    limit = 4 * torch.finfo(dtype).eps
+    limit = 4 * torch.finfo(dtype).eps + 4 * torch.finfo(torch.float32).eps * (conditioning - 1)
     if relative > limit:
-        return f"{name}: ||out - ref|| / ||ref|| = {relative:.3g} > 4 eps = {limit:.3g}"
+        amplified = f" + 4 eps32 x {conditioning - 1:.3g} (conditioning)" if conditioning != 1.0 else ""
+        return f"{name}: ||out - ref|| / ||ref|| = {relative:.3g} > 4 eps{amplified} = {limit:.3g}"
     return None
 
 

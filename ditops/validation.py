@@ -264,6 +264,11 @@ def _byte_span(t: torch.Tensor) -> int:
     return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
+def _rows(t: torch.Tensor) -> tuple:
+    """(size, stride) of the dims above the heads that have more than one index."""
+    return tuple((size, stride) for size, stride in zip(t.shape[:-2], t.stride()[:-2]) if size != 1)
+
+
 class InPlaceAliasing:
     """What an in-place op writes (q, k) must not share memory with the other one or with
     anything it reads: the kernels read each head once and write it back, so a shared
@@ -272,21 +277,21 @@ class InPlaceAliasing:
     data pointers on each call, before anything is written.
 
     q and k may share one buffer as the head blocks of a fused projection (FLUX's
-    [T, 3, H, Dh] qkv): equal token and batch strides, and k's heads after or before q's
-    within every token row."""
+    [T, 3, H, Dh] qkv): the same strides over their rows (batch and token dims, leaving out
+    dims of one index, whose stride means nothing), every row start a multiple of the
+    innermost row stride, and k's heads after or before q's within each such row."""
 
     def __init__(self, op: str, q: torch.Tensor, k: Optional[torch.Tensor], read: dict):
         self.op = op
         self.q_span = _byte_span(q)
         self.k_span = _byte_span(k) if k is not None else 0
         self.read_spans = [(name, _byte_span(t) if t is not None else 0) for name, t in read.items()]
-        self.row_window = None  # (q heads' bytes, k heads' bytes, token stride in bytes) when rows may interleave
-        if k is not None and q.stride()[:-2] == k.stride()[:-2] and q.dim() >= 3:
-            token_stride = q.stride(-3) * q.element_size()
-            batches_align = q.dim() == 3 or q.shape[0] == 1 or q.stride(0) % q.stride(-3) == 0
-            if batches_align:
-                head_bytes = q.shape[-1] * q.element_size()
-                self.row_window = (q.shape[-2] * head_bytes, k.shape[-2] * head_bytes, token_stride)
+        self.row_window = None  # (one q row's bytes, one k row's bytes, row stride in bytes) when rows may interleave
+        if self.q_span and self.k_span and q.dim() >= 3 and _rows(q) == _rows(k) and _rows(q):
+            row_stride = _rows(q)[-1][1]
+            if row_stride > 0 and all(stride % row_stride == 0 for _, stride in _rows(q)):
+                first_row = (0,) * (q.dim() - 2)
+                self.row_window = (_byte_span(q[first_row]), _byte_span(k[first_row]), row_stride * q.element_size())
 
     def check(self, q: torch.Tensor, k: Optional[torch.Tensor], read: tuple) -> None:
         """``read``: the tensors read, in the order of the ``read`` given at construction."""
@@ -311,10 +316,10 @@ class InPlaceAliasing:
     def _rows_disjoint(self, offset: int) -> bool:
         if self.row_window is None:
             return False
-        q_bytes, k_bytes, token_stride = self.row_window
+        q_bytes, k_bytes, row_stride = self.row_window
         if offset >= 0:
-            return offset >= q_bytes and offset + k_bytes <= token_stride
-        return -offset >= k_bytes and -offset + q_bytes <= token_stride
+            return offset >= q_bytes and offset + k_bytes <= row_stride
+        return -offset >= k_bytes and -offset + q_bytes <= row_stride
 
 
 def debug_checks() -> bool:

@@ -135,11 +135,20 @@ def test_q_and_k_that_share_memory_are_refused(op, backend, simulated, sharing):
     assert torch.equal(q, q_before)
 
 
+FUSED_LAYOUTS = {
+    "qkv heads": lambda: (lambda qkv: (qkv[:, :, 0], qkv[:, :, 1]))(torch.randn(2, 6, 3, 4, 32)),
+    # one token per batch item: its stride differs between q (640) and k (160) and means
+    # nothing; q's 8 heads, then k's 2, in each 960-element batch row (a fuzzer's layout)
+    "one token, q then k heads": lambda: (lambda rows: (rows[:, :640].view(2, 1, 8, 80), rows[:, 640:800].view(2, 1, 2, 80)))(
+        torch.randn(2, 960)),
+}
+
+
 @pytest.mark.parametrize("op", ["rope_", "qk_norm_rope_"])
-def test_q_and_k_as_head_blocks_of_one_fused_buffer_are_accepted(op):
-    arguments = example_arguments(op, (2, 6, 4, 32), torch.float32)
-    qkv = torch.randn(2, 6, 3, 4, 32)
-    q, k = qkv[:, :, 0], qkv[:, :, 1]
+@pytest.mark.parametrize("layout", FUSED_LAYOUTS)
+def test_q_and_k_as_head_blocks_of_one_fused_buffer_are_accepted(op, layout):
+    q, k = FUSED_LAYOUTS[layout]()
+    arguments = example_arguments(op, tuple(q.shape), torch.float32)
     expected_q, expected_k = q.clone(), k.clone()
     getattr(ditops, op)(**dict(arguments, q=expected_q, k=expected_k), backend="reference")
     getattr(ditops, op)(**dict(arguments, q=q, k=k))
@@ -342,8 +351,8 @@ def test_an_in_place_op_compiles_to_its_eager_result(op, form):
             return ditops.qk_norm_rope_(q, k, *weights, cache, positions, interleaved=False)
         return ditops.rope_(q, None if form == "k_none" else k, cache, positions, interleaved=False)
 
-    def block(x):
-        q, k, v = x.unflatten(-1, (3, heads, head_size)).unbind(-3)
+    def block(x):  # q and k: views of the projection, an intermediate of the graph (as in a processor)
+        q, k, v = (x * 1.5).unflatten(-1, (3, heads, head_size)).unbind(-3)
         rotate(q, k)
         return torch.cat([q, k, v], dim=-1) * 2
 
@@ -358,8 +367,10 @@ def test_an_in_place_op_compiles_to_its_eager_result(op, form):
     got, (code,) = torch._inductor.utils.run_and_get_code(torch.compile(block, fullgraph=True), x.clone())
     torch.testing.assert_close(got, expected)
     if form == "views_of_a_projection":
-        launched = set(re.findall(r"^def (triton_\w+)\(", code, flags=re.MULTILINE)) | set(re.findall(r"(triton_\w+)\.run\(", code))
-        assert not [name for name in launched if "copy" in name or "scatter" in name], launched
+        # Inductor's own kernels compute the block's scale or cat (a copy fused into one of
+        # them is free); a kernel that only copies q/k back (named copy/view/unbind alone) is not
+        generated = set(re.findall(r"^(triton_\w+) = async_compile\.triton\(", code, flags=re.MULTILINE))
+        assert generated and all("mul" in name or "cat" in name for name in generated), generated
 
 
 @pytest.mark.parametrize("simulated", [False, pytest.param(True, marks=pytest.mark.skipif(

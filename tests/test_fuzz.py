@@ -223,8 +223,35 @@ def run_fuzz_case(seed: int, index: int, backend) -> tuple:
     else:
         actual = result if isinstance(result, tuple) else (result,)
     names = conformance.OUTPUT_NAMES[op]
-    problems = [p for name, a, e in zip(names, actual, expected) if (p := conformance.compare(name, a, e, dtype))]
+    factor = conditioning(op, arguments, expected)
+    problems = [p for name, a, e in zip(names, actual, expected) if (p := conformance.compare(name, a, e, dtype, factor))]
     return ("fail", "; ".join(problems)) if problems else ("pass", "")
+
+
+def conditioning(op: str, arguments: dict, expected: tuple) -> float:
+    """How much this case's LayerNorm rows amplify float32 rounding, at least 1: the largest
+    |mean| / sqrt(var + eps) over the rows normalized. Subtracting a rounded mean from values
+    ``kappa`` times larger than the row's spread errs by about kappa ulps of the result, in any
+    float32 implementation: a random 2-wide row of variance 2e-7 < eps gave 13 ulps (seed 17,
+    case 1770). RMSNorm and RoPE subtract nothing: 1. ``conformance.compare`` widens only the
+    norm-wise bound, by the float32 arithmetic's share; the element-wise tolerances stay, and a
+    wrong index or a missed element is off by O(1), far beyond either."""
+    layer = op in ("norm_scale_shift_select", "residual_norm_scale_shift_select") or arguments.get("norm") == "layer"
+    if op in ("qk_norm_rope_", "rope_") or not layer:
+        return 1.0
+    if op.startswith("residual_"):
+        normalized = [expected[1]]  # residual_out, as stored
+    elif op.startswith("add_gate_norm"):
+        normalized = [arguments["branch"]] + ([expected[0]] if op == "add_gate_norm_scale" else [])
+    else:
+        normalized = [arguments["x"]]
+    factor = 1.0
+    for rows in normalized:
+        rows = rows.to(torch.float64)
+        mean = rows.mean(-1)
+        spread = (rows.var(-1, unbiased=False) + arguments["eps"]).sqrt()
+        factor = max(factor, float((mean.abs() / spread).max()) if rows.numel() else 1.0)
+    return factor
 
 
 def _poison_allocator(arguments: dict) -> None:

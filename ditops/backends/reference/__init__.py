@@ -72,10 +72,12 @@ def _modulate(n: Tensor, scale: Tensor, shift: Optional[Tensor], x: Tensor) -> T
 
 
 def _gated_sum(x: Tensor, gate: Optional[Tensor], branch: Tensor, compute: torch.dtype) -> Tensor:
-    """x + gate * branch in the compute dtype; a gate of None is 1."""
+    """x + gate * branch in the compute dtype, rounded once (addcmul: a fused multiply-add, as
+    the kernels do; rounding the product first moves a residual by an ulp, which a LayerNorm
+    over a row of tiny variance amplifies past OPS.md's tolerance); a gate of None is 1."""
     if gate is None:
         return x.to(compute) + branch
-    return x.to(compute) + _broadcastable(gate, branch, compute) * branch
+    return torch.addcmul(x.to(compute), _broadcastable(gate, branch, compute), branch)
 
 
 def norm_scale_shift(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, y=None):
@@ -154,7 +156,7 @@ def residual_norm_scale_shift_select(
     residual_gate: x's shape (the gate_out of the previous call). Returns (y, residual_out, gate_out).
     """
     compute = _compute_dtype(x)
-    summed = _store(residual.to(compute) + residual_gate.to(compute) * x.to(compute), residual_out, x)
+    summed = _store(_gated_sum(residual, residual_gate, x.to(compute), compute), residual_out, x)
     y, gate_out = norm_scale_shift_select(
         summed, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, y=y, gate_out=gate_out
     )
