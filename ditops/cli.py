@@ -106,7 +106,7 @@ def explain_command(arguments) -> int:
     except ValueError as error:
         raise UsageError(f"--shape: {error}") from None
     with _dispatch_scope(arguments.arch):
-        print(explain(arguments.op, **example))
+        print(explain(arguments.op, **example, compiled=arguments.compiled))
     return 0
 
 
@@ -312,6 +312,8 @@ def _parser() -> argparse.ArgumentParser:
     explain_parser.add_argument("op", choices=dispatch.OPS, metavar="OP", help=", ".join(dispatch.OPS))
     explain_parser.add_argument("--shape", type=_shape, help="x as B,S,D or S,D for the norm ops; q as T,H,Dh or B,S,H,Dh for RoPE")
     explain_parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
+    explain_parser.add_argument("--compiled", action="store_true",
+                                help="the choice for the call traced into a torch.compile graph")
     simulated_arch(explain_parser)
     explain_parser.set_defaults(run=explain_command)
 

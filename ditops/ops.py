@@ -193,7 +193,9 @@ class Op:
         registry is read there, not by Dynamo): it validates the call, chooses the backend from
         the tensors' metadata and the override, and hands the Triton kernel to Inductor
         (``wrap_triton``) when Triton is chosen, so that Inductor launches it from its own
-        generated code. Any other choice, an empty input, or positions whose values must be
+        generated code. The reference, chosen for a functional op (the registry's row kernels
+        say ``compiled_graph: false``: Inductor's fusion is faster there), is its math traced
+        into the graph. Any other choice, an empty input, or positions whose values must be
         checked on every call (an in-place op's ``check_values``) become the library op,
         which dispatches again on every call (an in-place op: on copies of q and k).
 
@@ -207,7 +209,12 @@ class Op:
             features = self.check(*op_arguments)
             trace = None
             if features is not None and not (self.in_place and dict(zip(names, op_arguments))["positions"] is not None):
-                trace = getattr(choose(self.name, features, backend).function, "trace", None)
+                chosen = choose(self.name, features, backend)
+                if chosen.name == "reference" and not self.in_place:
+                    # its math traced into the graph, where Inductor fuses it (registry.yaml: compiled_graph)
+                    outputs = self.traced_reference(op_arguments)
+                    return outputs[0] if len(outputs) == 1 else outputs
+                trace = getattr(chosen.function, "trace", None)
             if trace is None:
                 if not self.in_place:
                     return getattr(torch.ops.ditops, self.name)(*arguments)
@@ -712,14 +719,17 @@ def ordered_arguments(op: str, *args, **kwargs) -> tuple:
     return tuple(arguments.values()), backend
 
 
-def explain(op: str, *args, **kwargs) -> "Explanation":
-    """Which implementation ``ditops.<op>(*args, **kwargs)`` would run, and why each other one refused."""
+def explain(op: str, *args, compiled: bool = False, **kwargs) -> "Explanation":
+    """Which implementation ``ditops.<op>(*args, **kwargs)`` would run, and why each other one
+    refused; ``compiled=True``: the choice for the call traced into a torch.compile graph."""
     if op not in OPS:
         raise ValueError(f"explain: op is {op!r}; wanted one of {', '.join(OPS)}")
     arguments, backend = ordered_arguments(op, *args, **kwargs)
     features = OPS[op].check(*arguments)
     if features is None:
         return Explanation(op, None, [], None, "empty input: no kernel runs")
+    if compiled:
+        features = features._replace(traced=True)
     rows = candidates(op, features)
     try:
         chosen = choose(op, features, backend).name

@@ -316,6 +316,36 @@ def test_the_traced_node_chooses_when_it_runs(simulated):
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("op, compiled_choice", [("norm_scale_shift", "reference"), ("add_gate_norm", "reference"),
+                                                 ("qk_norm_rope_", "triton"), ("rope_", "triton")])
+def test_the_compiled_choice_follows_the_registry_and_yields_to_a_force(op, compiled_choice):
+    """Traced into a compiled graph, the row ops leave their kernels for the reference math
+    (registry.yaml: compiled_graph: false) and the RoPE ops keep Triton; explain says so, and a
+    forced backend is obeyed there as in eager."""
+    arguments = example_arguments(op, None, torch.bfloat16, device="meta")
+    with simulated_device("sm_90"):
+        assert ditops.explain(op, **arguments).selected == "triton"
+        explained = ditops.explain(op, **arguments, compiled=True)
+        assert explained.selected == compiled_choice
+        assert "traced into a compiled graph" in str(explained)
+        if compiled_choice == "reference":
+            assert "leaves a compiled graph to Inductor" in str(explained)
+        assert ditops.explain(op, **arguments, backend="triton", compiled=True).selected == "triton"
+
+
+def test_a_reference_choice_is_traced_into_the_graph_as_math():
+    """The node's reference choice is the reference math in the graph, which Inductor
+    compiles with its neighbours: no ditops op is left in the generated code."""
+    torch._dynamo.reset()
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32, seed=8)
+    ordered, _ = ops.ordered_arguments("norm_scale_shift", **arguments)
+    compiled = torch.compile(lambda *values: torch.ops.ditops.norm_scale_shift_traced(*values, None) * 2, fullgraph=True)
+    got, codes = torch._inductor.utils.run_and_get_code(compiled, *ordered)
+    torch.testing.assert_close(got, ditops.norm_scale_shift(**arguments, backend="reference") * 2)
+    assert codes and not any("ditops" in code for code in codes)
+    torch._dynamo.reset()
+
+
 def test_the_traced_node_returns_an_empty_input_as_eager_does():
     """An empty input has no features to choose a backend by: the node returns what eager does."""
     arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32, seed=4)

@@ -123,6 +123,11 @@ def autograd(wanted: bool, f: Features) -> Reason:
         return "is forward-only and an input requires grad"
 
 
+def compiled_graph(wanted: bool, f: Features) -> Reason:
+    if f.traced and not wanted:
+        return "leaves a compiled graph to Inductor's fusion of the reference math (measured faster there)"
+
+
 CHECKS: dict = {
     check.__name__: check
     for check in (
@@ -146,6 +151,7 @@ CHECKS: dict = {
         modulation,
         layouts,
         autograd,
+        compiled_graph,
     )
 }
 
@@ -206,6 +212,7 @@ VALUE_TYPES: dict = {
                    _names_from("scalar", "vector", "batch", "token", "frame")),
     "layouts": ("a list of RoPE layouts among interleaved, neox", _names_from("interleaved", "neox")),
     "autograd": _BOOLEAN,
+    "compiled_graph": _BOOLEAN,
 }
 assert set(VALUE_TYPES) == set(CHECKS), "every check needs its value type"
 

@@ -29,6 +29,7 @@ class Features(NamedTuple):
     norm: str  # "layer", "rms", or "" for the RoPE ops
     modulation: tuple  # forms of the modulation tensors in argument order (validation.modulation)
     interleaved: bool
+    traced: bool  # traced into a compiled graph (torch.compile), not called eagerly
 
 
 def describe(
@@ -89,5 +90,6 @@ def describe(
         norm,
         modulation,
         interleaved,
+        tracing,
     )
     return tuple.__new__(Features, fields)  # skips NamedTuple.__new__'s keyword handling: 3x faster

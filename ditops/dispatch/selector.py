@@ -175,6 +175,8 @@ def choose(op: str, features: Features, backend: Optional[str] = None) -> Implem
     """The selection itself: uncached and silent (``explain`` uses it too)."""
     state = dispatcher()
     forced, forced_by = forced_backend(op, backend)
+    if forced and features.traced:  # compiled_graph is a preference: a forced backend serves compiled graphs too
+        features = features._replace(traced=False)
     refusals = []
     for implementation in state.implementations[op]:
         reason = implementation.refusal(features)
@@ -217,6 +219,8 @@ def describe_features(f: Features) -> str:
     if f.param_dtypes:
         parts.append("params " + "/".join(sorted({str(d).removeprefix("torch.") for d in f.param_dtypes})))
     parts.append(f"{f.alignment}-byte aligned")
+    if f.traced:
+        parts.append("traced into a compiled graph")
     if not f.unit_stride:
         parts.append("last-dim stride != 1")
     if f.requires_grad:
