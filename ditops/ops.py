@@ -147,19 +147,15 @@ class Op:
         # Dynamo reads nothing of the registry here: each object it read would be a guard
         # checked on every call of the compiled code, and a first read (a file, an import)
         # a graph break. The choice is made where the graph node is traced (_register_traced).
-        if not arguments[0].is_cuda:
-            result = getattr(torch.ops.ditops, self.name)(*arguments, backend)
-        elif self.in_place:
+        result = getattr(torch.ops.ditops, self.name + ("_traced" if arguments[0].is_cuda else ""))(*arguments, backend)
+        if self.in_place and arguments[0].is_cuda:
             # The functional node's new q and k, copied back: where q and k are intermediates
             # of the graph (every patched processor), functionalization removes the copies.
             q, k = arguments[:2]
-            new_q, new_k = getattr(torch.ops.ditops, self.name + "_traced")(*arguments, backend)
-            q.copy_(new_q)
+            q.copy_(result[0])
             if k is not None:
-                k.copy_(new_k)
+                k.copy_(result[1])
             return ()
-        else:
-            result = getattr(torch.ops.ditops, self.name + "_traced")(*arguments, backend)
         return (result,) if isinstance(result, Tensor) else tuple(result or ())
 
     def traced_reference(self, arguments: tuple) -> tuple:
@@ -201,14 +197,14 @@ class Op:
 
         The rule for a mutating ``triton_op`` on q/k views (it crashed under compile, torch
         2.11) is why the in-place ops are functional here."""
-        schema = torch._C.parse_schema(self.name + self.schema)
-        names = [argument.name for argument in schema.arguments]
+        names = [argument.name for argument in torch._C.parse_schema(self.name + self.schema).arguments]
+        positions_at = names.index("positions") if self.in_place else None
 
         def body(*arguments):
             op_arguments, backend = arguments[:-1], arguments[-1]
             features = self.check(*op_arguments)
             trace = None
-            if features is not None and not (self.in_place and dict(zip(names, op_arguments))["positions"] is not None):
+            if features is not None and (positions_at is None or op_arguments[positions_at] is None):
                 chosen = choose(self.name, features, backend)
                 if chosen.name == "reference" and not self.in_place:
                     # its math traced into the graph, where Inductor fuses it (registry.yaml: compiled_graph)

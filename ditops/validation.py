@@ -287,9 +287,10 @@ class InPlaceAliasing:
         self.k_span = _byte_span(k) if k is not None else 0
         self.read_spans = [(name, _byte_span(t) if t is not None else 0) for name, t in read.items()]
         self.row_window = None  # (one q row's bytes, one k row's bytes, row stride in bytes) when rows may interleave
-        if self.q_span and self.k_span and q.dim() >= 3 and _rows(q) == _rows(k) and _rows(q):
-            row_stride = _rows(q)[-1][1]
-            if row_stride > 0 and all(stride % row_stride == 0 for _, stride in _rows(q)):
+        rows = _rows(q) if self.q_span and self.k_span and q.dim() >= 3 else ()
+        if rows and rows == _rows(k):
+            row_stride = rows[-1][1]
+            if row_stride > 0 and all(stride % row_stride == 0 for _, stride in rows):
                 first_row = (0,) * (q.dim() - 2)
                 self.row_window = (_byte_span(q[first_row]), _byte_span(k[first_row]), row_stride * q.element_size())
 
