@@ -10,12 +10,15 @@ affine weights, eps, gate activation; RoPE positions (int32/int64), offsets, lay
 A failure prints the call and the one line that replays it.
 
 On a GPU: ``DITOPS_FUZZ_CASES`` cases per backend (default 2000) with outputs allocated over
-NaN-poisoned memory. On CPU (CI): a few cases, the Triton kernels in Triton's interpreter on a
-simulated sm_90, so that the generator itself stays exercised. ``DITOPS_FUZZ_SEED`` picks
-the seed (default 17); ``DITOPS_RELIABILITY_OUT`` names a JSON file that gets the summary.
+NaN-poisoned memory, in SHARDS tests per backend that pytest-xdist runs side by side (each
+new Triton specialization compiles on the CPU: one process alone took over nine minutes).
+On CPU (CI): a few cases, the Triton kernels in Triton's interpreter on a simulated sm_90,
+so that the generator itself stays exercised. ``DITOPS_FUZZ_SEED`` picks the seed (default
+17); ``DITOPS_RELIABILITY_OUT`` names a JSON file that gets the summary.
 """
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -33,6 +36,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 SEED = int(os.environ.get("DITOPS_FUZZ_SEED", "17"))
 CASES = int(os.environ.get("DITOPS_FUZZ_CASES", "2000" if DEVICE == "cuda" else "6"))
+SHARDS = 8 if DEVICE == "cuda" else 1
 # Largest activation (elements) a case builds: the interpreter runs every program in Python.
 MAX_ELEMENTS = 1 << 18 if DEVICE == "cuda" else 1 << 12
 
@@ -286,10 +290,12 @@ def record(section: str, data) -> None:
     path = os.environ.get("DITOPS_RELIABILITY_OUT")
     if not path:
         return
-    summary = json.load(open(path)) if os.path.exists(path) else {}
-    summary[section] = data
-    with open(path, "w") as file:
-        json.dump(summary, file, indent=2, sort_keys=True)
+    with open(path + ".lock", "w") as lock:  # pytest-xdist workers write the same file
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        summary = json.load(open(path)) if os.path.exists(path) else {}
+        summary[section] = data
+        with open(path, "w") as file:
+            json.dump(summary, file, indent=2, sort_keys=True)
 
 
 def test_the_generator_is_deterministic_and_covers_every_op():
@@ -306,12 +312,14 @@ def test_the_generator_is_deterministic_and_covers_every_op():
     assert forms == {True, False}, "storage offsets must be drawn"
 
 
+@pytest.mark.parametrize("shard", range(SHARDS))
 @pytest.mark.parametrize("backend", backends_here(), ids=lambda backend: backend or "auto")
-def test_fuzz_against_the_float64_oracle(backend):
+def test_fuzz_against_the_float64_oracle(backend, shard):
     counts = {"pass": 0, "refused": 0, "fail": 0, "skip": 0}
     failures = []
+    indices = range(shard, CASES, SHARDS)
     with _device_for(backend):
-        for index in range(CASES):
+        for index in indices:
             status, detail = run_fuzz_case(SEED, index, backend)
             counts[status] += 1
             if status == "fail":
@@ -321,7 +329,8 @@ def test_fuzz_against_the_float64_oracle(backend):
                     f"  replay: python -c \"import sys; sys.path.insert(0, 'tests'); import test_fuzz; "
                     f"print(test_fuzz.run_fuzz_case({SEED}, {index}, {backend!r}))\""
                 )
-    record(f"fuzz/{backend or 'auto'}", {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-                                         "seed": SEED, "cases": CASES, **counts, "failures": failures[:20]})
-    assert counts["pass"] + counts["refused"] + counts["skip"] == CASES, "\n".join(failures[:10])
+    section = f"fuzz/{backend or 'auto'}" + (f" shard {shard + 1} of {SHARDS}" if SHARDS > 1 else "")
+    record(section, {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+                     "seed": SEED, "cases": len(indices), **counts, "failures": failures[:20]})
+    assert counts["pass"] + counts["refused"] + counts["skip"] == len(indices), "\n".join(failures[:10])
     assert counts["pass"] > 0, f"no case ran on {backend}: {counts}"
