@@ -113,6 +113,9 @@ HEAD_SPECS = {
     "dh96-mqa-neox": HeadSpec((17,), 4, 1, 96, interleaved=False, positions=torch.int64),
     "partial-rotary": HeadSpec((2, 6), 2, 2, 128, rotary_dim=64, interleaved=False, position_offset=3),
     "partial-rotary-interleaved": HeadSpec((12,), 3, 3, 64, rotary_dim=32),
+    # 2 * 64 rotated + 256 passed-through values per head: a tile of 2048 holds 5 heads, and a
+    # block of heads must be a power of two (found by the GPU fuzz, seed 17, case 272).
+    "partial-rotary-dh256": HeadSpec((3,), 8, 1, 256, rotary_dim=112, interleaved=False),
     "qkv-views": HeadSpec((2, 7), 4, 2, 128, layout="qkv", positions=torch.int64),
     "misaligned": HeadSpec((5,), 2, 2, 64, layout="misaligned"),
     "bf16-cache": HeadSpec((10,), 2, 2, 256, cache_dtype=torch.bfloat16),

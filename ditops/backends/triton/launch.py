@@ -53,5 +53,6 @@ def rotary_launch(head_size: int, rotary_dim: int, heads: int, vendor: str) -> R
     block_half = triton.next_power_of_2(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
     per_head = 2 * block_half + (block_rest if head_size > rotary_dim else 0)
-    block_heads = min(triton.next_power_of_2(heads), max(1, entry["tile_elements"] // per_head))
+    fitting = max(1, entry["tile_elements"] // per_head)
+    block_heads = min(triton.next_power_of_2(heads), 1 << (fitting.bit_length() - 1))  # a power of two
     return RotaryLaunch(block_heads, block_half, block_rest, entry["num_warps"])
