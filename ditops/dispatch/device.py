@@ -23,7 +23,6 @@ class DeviceInfo:
     arch: str  # "sm_90", "gfx942" or "cpu"
     name: str = ""
     simulated: bool = False
-    processors: int = 0  # multiprocessors (NVIDIA SMs, AMD CUs); 0 where not known (simulated)
 
     @property
     def sm(self) -> Optional[int]:
@@ -67,10 +66,8 @@ _detected: dict = {}
 def _detect_gpu(index: int) -> DeviceInfo:
     properties = torch.cuda.get_device_properties(index)
     if torch.version.hip:
-        return DeviceInfo("rocm", properties.gcnArchName.split(":")[0], properties.name,
-                          processors=properties.multi_processor_count)
-    return DeviceInfo("cuda", f"sm_{properties.major}{properties.minor}", properties.name,
-                      processors=properties.multi_processor_count)
+        return DeviceInfo("rocm", properties.gcnArchName.split(":")[0], properties.name)
+    return DeviceInfo("cuda", f"sm_{properties.major}{properties.minor}", properties.name)
 
 
 class _Simulation(threading.local):

@@ -48,7 +48,7 @@ def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y,
     ), dict(
         RMS=norm == "rms", HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
     ))
 
 
@@ -77,7 +77,7 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
         rows, shape.tokens, shape.hidden, eps,
     ), dict(
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
     ))
 
 
@@ -108,7 +108,7 @@ def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, 
         RMS=norm == "rms", TANH_GATE=gate_act == "tanh", HAS_SCALE=scale is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_WEIGHT2=weight2 is not None, HAS_BIAS2=bias2 is not None,
-        BLOCK=launch.block, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
     ))
 
 

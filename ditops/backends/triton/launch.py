@@ -28,16 +28,19 @@ def vendor_of(t: torch.Tensor) -> str:
 
 
 class RowLaunch(NamedTuple):
-    block: int
+    block: int  # the head tile: the largest power of two not above D
+    tail: int  # the tail tile: the next power of two of D - block (1, all masked, where D is one)
     num_warps: int
     rows_per_program: int
 
 
 def row_launch(kernel: str, hidden: int, vendor: str) -> RowLaunch:
     """Settings of a row kernel ("modulated_norm", "selected_modulation_norm", "gated_add_norm")."""
+    block = 1 << (hidden.bit_length() - 1)
+    tail = triton.next_power_of_2(hidden - block) if hidden > block else 1
     for entry in _settings()[kernel][vendor]:
         if hidden <= entry["max_hidden"]:
-            return RowLaunch(triton.next_power_of_2(hidden), entry["num_warps"], entry["rows_per_program"])
+            return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"])
     raise ValueError(f"no Triton launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
 
