@@ -2,15 +2,17 @@
 registers, as two tiles: the head, columns [0, BLOCK) with BLOCK the largest power of two not
 above D, and the tail, columns [BLOCK, BLOCK + TAIL) masked at D. One tile padded to the next
 power of two would spend up to 37% of its registers and arithmetic on masked columns (D = 5120
-in 8192); on an H200 the two-tile form reached 97-99% of a same-size copy at D = 1536, 3072
-and 5120 where the padded tile reached 78-92%. Rows of one program share their modulation
+in 8192); in a one-off LayerNorm + modulation experiment on an H200 (S = 32760-118800) the
+two-tile form reached 98-99% of a same-size copy at D = 1536, 3072 and 5120 where the padded
+tile reached 79-95%. Rows of one program share their modulation
 vectors when they belong to one batch item, so those loads hit L1 instead of going to L2.
 
 Activations are read once and outputs written once, so their accesses ask the cache to evict
-them first and keep the modulation vectors, which every row reads. The kernels issue every
-load before their first store: the compiler cannot move a load above a store that might
-overlap it, and a modulation load left after a store put an L2 round trip on the critical
-path of small calls (S = 128: up to 1 us of 3 on an H200)."""
+them first and keep the modulation vectors, which every row reads.
+
+Each tile is finished (modulation loaded, result stored) in turn. Issuing every load of both
+tiles before the first store saved up to 1 us of 3-4 at S = 128 on an H200, but the values
+held live cost 7-52% at S = 4096-118800 (fewer rows in flight per SM), so it is not done."""
 
 import triton
 import triton.language as tl
@@ -76,20 +78,10 @@ def normalize(head, tail, head_mask, tail_mask, hidden, eps, RMS: tl.constexpr):
 
 
 @triton.jit
-def load_parameter(pointer, columns, mask, PRESENT: tl.constexpr):
-    """An optional [D] vector (a norm's weight or bias) over one tile, as float32 (0.0 if absent)."""
-    if PRESENT:
-        values = tl.load(pointer + columns, mask=mask, other=0.0).to(tl.float32)
-    else:
-        values = 0.0
-    return values
-
-
-@triton.jit
-def affine(normalized, weight, bias, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The norm's optional elementwise weight and bias (loaded by load_parameter)."""
+def affine(normalized, weight, bias, columns, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The norm's optional elementwise weight and bias, over the columns of one tile."""
     if HAS_WEIGHT:
-        normalized = normalized * weight
+        normalized = normalized * tl.load(weight + columns, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        normalized = normalized + bias
+        normalized = normalized + tl.load(bias + columns, mask=mask, other=0.0).to(tl.float32)
     return normalized
