@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import math
 import struct
+import threading
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -232,7 +233,16 @@ class CompiledOps:
                 return None
             bound = self.bind(launch.instance, device_index)
             grid = launch.grid
-            return lambda values: bound(grid, packed.rebind(values))
+            # Every call of the plan rewrites the one packed buffer: two threads between their
+            # rebind and their launch would launch each other's pointers (8 threads on an H200
+            # got 4 wrong results of 512). The driver copies the parameters at launch.
+            lock = threading.Lock()
+
+            def launch_bound(values: tuple) -> None:
+                with lock:
+                    bound(grid, packed.rebind(values))
+
+            return launch_bound
 
         function.bind = bind
         return function
