@@ -26,9 +26,7 @@ def _gated_add(x, x_batch_stride, x_token_stride, normalized, weight, bias,
         gate_row = _tanh(gate_row)
     normalized = affine(normalized, weight, bias, columns, mask, HAS_WEIGHT, HAS_BIAS)
     x_row = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
-    stored = (x_row + gate_row * normalized).to(out.dtype.element_ty)
-    store_rows(out, row, hidden, stored, columns, mask)
-    return stored.to(tl.float32)
+    return store_rows(out, row, hidden, x_row + gate_row * normalized, columns, mask)
 
 
 @triton.jit

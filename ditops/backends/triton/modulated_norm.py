@@ -12,15 +12,12 @@ from .row_math import affine, load_modulation, load_rows, normalize, row_tile, s
 def _add_residual(v, residual, residual_batch_stride, residual_token_stride,
                   gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
                   residual_out, row, batch, token, hidden, columns, mask, HAS_GATE: tl.constexpr):
-    """residual + gate * v over one tile, stored to residual_out and returned as stored (the norm
-    reads it rounded, as the next layer will)."""
+    """residual + gate * v over one tile, stored to residual_out and returned as stored."""
     if HAS_GATE:
         v = v * load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
                                 GATE_DIM_STRIDE, columns, mask)
-    stored = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask) + v
-    stored = stored.to(residual_out.dtype.element_ty)
-    store_rows(residual_out, row, hidden, stored, columns, mask)
-    return stored.to(tl.float32)
+    summed = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask) + v
+    return store_rows(residual_out, row, hidden, summed, columns, mask)
 
 
 @triton.jit

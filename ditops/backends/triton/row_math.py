@@ -39,9 +39,11 @@ def load_rows(pointer, batch, token, batch_stride, token_stride, columns, mask):
 
 @triton.jit
 def store_rows(pointer, row, hidden, values, columns, mask):
-    """Rows of a new contiguous [rows, D] output, rounded once to its dtype."""
-    tl.store(pointer + row * hidden + columns, values.to(pointer.dtype.element_ty), mask=mask,
-             eviction_policy="evict_first")
+    """Rows of a new contiguous [rows, D] output, rounded once to its dtype; returns them as
+    stored, in float32 (a norm that follows reads a sum as stored, as the next layer will)."""
+    stored = values.to(pointer.dtype.element_ty)
+    tl.store(pointer + row * hidden + columns, stored, mask=mask, eviction_policy="evict_first")
+    return stored.to(tl.float32)
 
 
 @triton.jit

@@ -24,9 +24,7 @@ def _add_residual(v, residual, residual_batch_stride, residual_token_stride,
     """residual + residual_gate * v over one tile, stored to residual_out and returned as stored."""
     gate_row = load_rows(residual_gate, batch, token, residual_gate_batch_stride, residual_gate_token_stride, columns, mask)
     previous = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask)
-    stored = (previous + gate_row * v).to(residual_out.dtype.element_ty)
-    store_rows(residual_out, row, hidden, stored, columns, mask)
-    return stored.to(tl.float32)
+    return store_rows(residual_out, row, hidden, previous + gate_row * v, columns, mask)
 
 
 @triton.jit
