@@ -27,6 +27,11 @@ def vendor_of(t: torch.Tensor) -> str:
     return vendor if vendor in ("cuda", "rocm") else "cuda"
 
 
+def _power_of_two_at_most(n: int) -> int:
+    """The largest power of two not above n (n >= 1): a tile that fits, as tl.arange needs."""
+    return 1 << (n.bit_length() - 1)
+
+
 class RowLaunch(NamedTuple):
     block: int  # the head tile: the largest power of two not above D
     tail: int  # the tail tile: the next power of two of D - block (1, all masked, where D is one)
@@ -36,7 +41,7 @@ class RowLaunch(NamedTuple):
 
 def row_launch(kernel: str, hidden: int, vendor: str) -> RowLaunch:
     """Settings of a row kernel ("modulated_norm", "selected_modulation_norm", "gated_add_norm")."""
-    block = 1 << (hidden.bit_length() - 1)
+    block = _power_of_two_at_most(hidden)
     tail = triton.next_power_of_2(hidden - block) if hidden > block else 1
     for entry in _settings()[kernel][vendor]:
         if hidden <= entry["max_hidden"]:
@@ -56,6 +61,6 @@ def rotary_launch(head_size: int, rotary_dim: int, heads: int, vendor: str) -> R
     block_half = triton.next_power_of_2(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
     per_head = 2 * block_half + (block_rest if head_size > rotary_dim else 0)
-    fitting = max(1, entry["tile_elements"] // per_head)
-    block_heads = min(triton.next_power_of_2(heads), 1 << (fitting.bit_length() - 1))  # a power of two
+    fitting = _power_of_two_at_most(max(1, entry["tile_elements"] // per_head))
+    block_heads = min(triton.next_power_of_2(heads), fitting)
     return RotaryLaunch(block_heads, block_half, block_rest, entry["num_warps"])
