@@ -123,3 +123,23 @@ def test_ahead_of_time_compile(target_name):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     compiled = [line for line in result.stdout.splitlines() if line.startswith("compiled ")]
     assert len(compiled) == len(work)
+
+
+def test_float64_eps_is_computed_in_float32():
+    """Inductor passes a Python float to a kernel it launches (wrap_triton) as float64, where
+    Triton's own launch passes float32. The kernels cast eps to float32 first: once float64
+    reached the normalisation, every value after it was float64 and the kernel ran 1.5x
+    slower inside compiled graphs (H100, 2026-11-25). Compiled here with eps typed float64."""
+    work = []
+    for kernel, signature, constants, num_warps in specializations("cuda"):
+        signature = dict(signature)
+        if "eps" in signature and kernel not in {item["kernel"] for item in work} and dict(constants).get("NORM", True):
+            work.append(dict(kernel=kernel, signature=dict(signature, eps="fp64"), constants=dict(constants), num_warps=num_warps))
+    assert {item["kernel"] for item in work} == set(KERNELS)
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("triton_aot.py")), "cuda", "90", "32", "ttgir"],
+        input=json.dumps(work), capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    counts = [line for line in result.stdout.splitlines() if "float64 ops:" in line]
+    assert len(counts) == len(work) and all(line.endswith("float64 ops: 0") for line in counts), result.stdout[-3000:]

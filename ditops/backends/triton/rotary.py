@@ -40,7 +40,7 @@ def _rotate_heads(
         if NORM:
             tail = tl.load(row + rest, mask=rest_mask, other=0.0).to(tl.float32)
             squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(tail * tail, axis=1)
-            inverse_rms = tl.rsqrt(squares / head_size + eps)[:, None]
+            inverse_rms = tl.rsqrt(squares / head_size + tl.cast(eps, tl.float32))[:, None]  # float32 under Inductor: row_math.normalize
             x1, x2, tail = x1 * inverse_rms, x2 * inverse_rms, tail * inverse_rms
             if HAS_WEIGHT:
                 in_pair = pair < half
