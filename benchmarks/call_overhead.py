@@ -22,6 +22,7 @@ show here) and the output's relative difference from the same block run eagerly.
 
 Writes benchmarks/results/overhead_<GPU>_<date>.json: {"device", "rows": [...]}.
 Usage: python benchmarks/call_overhead.py [--device cuda|cpu] [--output FILE]
+       python benchmarks/call_overhead.py --table FILE   # the README's tables of a results file
 """
 
 from __future__ import annotations
@@ -229,13 +230,40 @@ def kernels_per_call(call) -> int:
     return sum(1 for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def table(path: Path) -> str:
+    """Markdown tables of a results file: eager host cost, then the compiled block."""
+    rows = json.loads(path.read_text())["rows"]
+    eager = {(row["op"], row["candidate"]): row["host_us"] for row in rows if row["mode"] == "eager"}
+    ops = list(dict.fromkeys(op for op, _ in eager))
+    lines = ["| op | ditops (us) | bare launch (us) | ditops / bare | unfused eager (us) |", "|---|---|---|---|---|"]
+    for op in ops:
+        ditops, bare, unfused = (eager.get((op, c)) for c in ("ditops", "bare_launch", "unfused_eager"))
+        ratio = f"{ditops / bare:.2f}x" if bare else "-"
+        cells = [f"{value:.1f}" if value is not None else "-" for value in (ditops, bare, unfused)]
+        lines.append(f"| `{op}` | {cells[0]} | {cells[1]} | {ratio} | {cells[2]} |")
+    compiled = {(row["op"], row["tokens"], row["candidate"]): row for row in rows if row["mode"] == "compiled"}
+    if compiled:
+        lines += ["", "| op | S | ditops (ms) | Inductor unfused (ms) | ditops / Inductor | kernels (ditops / Inductor) |",
+                  "|---|---|---|---|---|---|"]
+        for (op, tokens, candidate), row in compiled.items():
+            if candidate == "ditops":
+                other = compiled[op, tokens, "inductor_unfused"]
+                lines.append(f"| `{op}` | {tokens} | {row['forward_ms']:.3f} | {other['forward_ms']:.3f} | "
+                             f"{row['forward_ms'] / other['forward_ms']:.2f}x | {row['kernels']} / {other['kernels']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", type=Path, help="print the markdown tables of a results file and exit")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output", help="JSON file (default: benchmarks/results/overhead_<GPU>_<date>.json)")
     parser.add_argument("--ops", nargs="*", default=list(OPS))
     parser.add_argument("--no-compiled", action="store_true", help="eager rows only")
     options = parser.parse_args()
+    if options.table:
+        print(table(options.table))
+        return
     gpu = options.device != "cpu"
     name = torch.cuda.get_device_name() if gpu else "CPU"
     short = name.split()[1] if gpu and len(name.split()) > 1 else name
