@@ -4,7 +4,8 @@ The results go to q_out and k_out: q and k themselves in eager (in place), new t
 compiled graph, whose functional node lets Inductor drop the copies around an in-place op.
 
 One program per token: it reads the token's cos/sin row once and applies it to every q and
-k head, BLOCK_HEADS heads at a time as a [heads, Dh] tile. A head is loaded as its rotated
+k head, Q_BLOCK_HEADS (K_BLOCK_HEADS) heads at a time as a [heads, Dh] tile: q and k have
+their own head block, so GQA's few k heads do not pass through a tile sized for q's many. A head is loaded as its rotated
 pairs (x1, x2) and, with partial rotary, the dims [R, Dh) after them, so each element is read
 once and written once. Interleaved pairs (2j, 2j+1) are loaded as one contiguous tile and
 split, so the loads stay wide; NeoX pairs (j, j + R/2) are two contiguous half loads."""
@@ -71,7 +72,7 @@ def rotary_kernel(
     tokens, head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)
     batch, token = program // tokens, program % tokens
@@ -86,8 +87,8 @@ def rotary_kernel(
     sin = tl.load(cache_row + half + pair, mask=pair < half, other=0.0).to(tl.float32)
     _rotate_heads(q + batch * q_batch_stride + token * q_token_stride,
                   q_out + batch * q_out_batch_stride + token * q_out_token_stride, head_size, q_heads, q_weight, cos, sin,
-                  head_size, rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+                  head_size, rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
     if HAS_K:
         _rotate_heads(k + batch * k_batch_stride + token * k_token_stride,
                       k_out + batch * k_out_batch_stride + token * k_out_token_stride, head_size, k_heads, k_weight, cos, sin,
-                      head_size, rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+                      head_size, rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
