@@ -5,10 +5,11 @@ compiled graph, whose functional node lets Inductor drop the copies around an in
 
 One program per token: it reads the token's cos/sin row once and applies it to every q and
 k head, Q_BLOCK_HEADS (K_BLOCK_HEADS) heads at a time as a [heads, Dh] tile: q and k have
-their own head block, so GQA's few k heads do not pass through a tile sized for q's many. A head is loaded as its rotated
-pairs (x1, x2) and, with partial rotary, the dims [R, Dh) after them, so each element is read
-once and written once. Interleaved pairs (2j, 2j+1) are loaded as one contiguous tile and
-split, so the loads stay wide; NeoX pairs (j, j + R/2) are two contiguous half loads."""
+their own head block, so GQA's few k heads do not pass through a tile sized for q's many.
+A head is loaded as its rotated pairs (x1, x2) and, with partial rotary, the dims [R, Dh)
+after them, so each element is read once and written once. Interleaved pairs (2j, 2j+1)
+are loaded as one contiguous tile and split, so the loads stay wide; NeoX pairs
+(j, j + R/2) are two contiguous half loads."""
 
 import triton
 import triton.language as tl
@@ -41,7 +42,8 @@ def _rotate_heads(
         if NORM:
             tail = tl.load(row + rest, mask=rest_mask, other=0.0).to(tl.float32)
             squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(tail * tail, axis=1)
-            inverse_rms = tl.rsqrt(squares / head_size + tl.cast(eps, tl.float32))[:, None]  # float32 under Inductor: row_math.normalize
+            # eps as float32 also where Inductor passes it as float64 (row_math.normalize says why)
+            inverse_rms = tl.rsqrt(squares / head_size + tl.cast(eps, tl.float32))[:, None]
             x1, x2, tail = x1 * inverse_rms, x2 * inverse_rms, tail * inverse_rms
             if HAS_WEIGHT:
                 in_pair = pair < half
