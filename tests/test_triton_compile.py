@@ -145,20 +145,16 @@ def test_float64_eps_is_computed_in_float32():
     assert len(counts) == len(work) and all(line.endswith("float64 ops: 0") for line in counts), result.stdout[-3000:]
 
 
-def test_rotary_head_blocks():
+def test_rotary_head_blocks(monkeypatch):
     """Each of q and k gets its own head block: all heads in one pass while that tile holds at
     most one_pass_elements values, else blocks of about tile_elements; never narrower than a
     16-byte load per thread of a half-head tile (a 2-head k block made GQA rope_ 14% slower)."""
     from ditops.backends.triton import launch
 
     settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4}}}
-    original = launch._settings
-    launch._settings = lambda: settings
-    try:
-        assert launch.rotary_launch(128, 128, 24, 24, 2, "cuda")[:2] == (32, 32)  # 32 x 128 values: one pass
-        assert launch.rotary_launch(128, 128, 48, 48, 2, "cuda")[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
-        assert launch.rotary_launch(96, 96, 16, 2, 2, "cuda")[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
-        assert launch.rotary_launch(96, 96, 16, 2, 4, "cuda")[:2] == (16, 8)  # float32: 4 per 16 bytes
-        assert launch.rotary_launch(256, 112, 8, 0, 2, "cuda")[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
-    finally:
-        launch._settings = original
+    monkeypatch.setattr(launch, "_settings", lambda: settings)
+    assert launch.rotary_launch(128, 128, 24, 24, 2, "cuda")[:2] == (32, 32)  # 32 x 128 values: one pass
+    assert launch.rotary_launch(128, 128, 48, 48, 2, "cuda")[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
+    assert launch.rotary_launch(96, 96, 16, 2, 2, "cuda")[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
+    assert launch.rotary_launch(96, 96, 16, 2, 4, "cuda")[:2] == (16, 8)  # float32: 4 per 16 bytes
+    assert launch.rotary_launch(256, 112, 8, 0, 2, "cuda")[:2] == (8, 4)  # 384 values a head: the floor stays within a tile

@@ -17,6 +17,11 @@ from typing import Iterator, Optional, Union
 import torch
 
 
+def warp_size_of(vendor: str) -> int:
+    """Threads that run in lockstep on a vendor's GPU: a warp (32) or an AMD wavefront (64)."""
+    return 64 if vendor == "rocm" else 32
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     vendor: str  # "cuda" (NVIDIA), "rocm" (AMD) or "cpu"
@@ -35,7 +40,7 @@ class DeviceInfo:
 
     @property
     def warp_size(self) -> int:
-        return 64 if self.vendor == "rocm" else 32
+        return warp_size_of(self.vendor)
 
     def __str__(self) -> str:
         label = f"{self.vendor} {self.arch}" if self.is_gpu else "cpu"

@@ -11,7 +11,7 @@ import torch
 import triton
 import yaml
 
-from ...dispatch.device import device_of
+from ...dispatch.device import device_of, warp_size_of
 
 SETTINGS_FILE = Path(__file__).resolve().parents[2] / "configs" / "triton_launch.yaml"
 
@@ -68,7 +68,7 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
     per_head = 2 * block_half + (block_rest if head_size > rotary_dim else 0)
     fitting = _power_of_two_at_most(max(1, entry["tile_elements"] // per_head))
-    threads = entry["num_warps"] * (64 if vendor == "rocm" else 32)
+    threads = entry["num_warps"] * warp_size_of(vendor)
     vector = min(fitting, triton.next_power_of_2(-(-threads * (16 // element_size) // block_half)))
 
     def block_heads(heads: int) -> int:

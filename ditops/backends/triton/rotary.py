@@ -42,8 +42,7 @@ def _rotate_heads(
         if NORM:
             tail = tl.load(row + rest, mask=rest_mask, other=0.0).to(tl.float32)
             squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(tail * tail, axis=1)
-            # eps as float32 also where Inductor passes it as float64 (row_math.normalize says why)
-            inverse_rms = tl.rsqrt(squares / head_size + tl.cast(eps, tl.float32))[:, None]
+            inverse_rms = tl.rsqrt(squares / head_size + eps)[:, None]
             x1, x2, tail = x1 * inverse_rms, x2 * inverse_rms, tail * inverse_rms
             if HAS_WEIGHT:
                 in_pair = pair < half
@@ -78,6 +77,7 @@ def rotary_kernel(
 ):
     program = tl.program_id(0).to(tl.int64)
     batch, token = program // tokens, program % tokens
+    eps = tl.cast(eps, tl.float32)  # also where Inductor passes it as float64 (row_math.normalize says why)
     if HAS_POSITIONS:
         position = tl.load(positions + batch * positions_batch_stride + token * positions_token_stride).to(tl.int64)
     else:
