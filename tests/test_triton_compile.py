@@ -9,6 +9,7 @@ recorder: what the launch code would launch is what is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -24,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 
 import ditops.backends.triton as triton_backend
 from ditops import conformance
+from ditops.backends.triton import launch
 from ditops.dispatch import simulated_device
 from ditops.ops import OPS, ordered_arguments
 
@@ -78,6 +80,33 @@ class _Recorder:
                         tuple(signature.items()), tuple(sorted(constants.items(), key=lambda item: item[0])), num_warps))
 
 
+@contextlib.contextmanager
+def early_loads_below(rows: int):
+    """The row kernels' launch table with early_loads_max_rows set to rows for every vendor
+    (conformance cases are all short calls: 0 gives them the long calls' load order)."""
+    settings = {**launch._settings(), "early_loads_max_rows": {"cuda": rows, "rocm": rows}}
+    original, launch._settings = launch._settings, lambda: settings
+    try:
+        yield
+    finally:
+        launch._settings = original
+
+
+def _launch_every_case(dtypes=conformance.DTYPES, ops=OPS, device="cpu"):
+    """Runs the backend's op function on each conformance case of ops in each dtype; yields
+    (case, dtype, the outputs it wrote)."""
+    for case in conformance.CASES:
+        if case.op not in ops:
+            continue
+        for dtype in dtypes:
+            arguments, _ = ordered_arguments(case.op, **case.arguments(dtype, device))
+            if OPS[case.op].check(*arguments) is None:
+                continue  # empty input: nothing is launched
+            outputs = OPS[case.op].outputs(*arguments)
+            getattr(triton_backend, case.op)(*arguments, *outputs)
+            yield case, dtype, outputs
+
+
 @functools.lru_cache(maxsize=None)
 def specializations(vendor: str) -> tuple:
     found: set = set()
@@ -86,14 +115,10 @@ def specializations(vendor: str) -> tuple:
         for name, kernel in originals.items():
             setattr(triton_backend, name, _Recorder(kernel, found))
         with simulated_device(SIMULATED[vendor]):
-            for case in conformance.CASES:
-                for dtype in conformance.DTYPES:
-                    keywords = case.arguments(dtype, "cpu")
-                    arguments, _ = ordered_arguments(case.op, **keywords)
-                    if OPS[case.op].check(*arguments) is None:
-                        continue  # empty input: nothing is launched
-                    outputs = OPS[case.op].outputs(*arguments)
-                    getattr(triton_backend, case.op)(*arguments, *outputs)
+            for early_loads in (contextlib.nullcontext(), early_loads_below(0)):
+                with early_loads:
+                    for _ in _launch_every_case():
+                        pass
     finally:
         for name, kernel in originals.items():
             setattr(triton_backend, name, kernel)
@@ -105,7 +130,7 @@ def test_every_kernel_and_option_is_exercised():
     assert {kernel for kernel, *_ in found} == set(KERNELS)
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
-                 "HAS_POSITIONS", "HAS_K"):
+                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
@@ -158,3 +183,24 @@ def test_rotary_head_blocks(monkeypatch):
     assert launch.rotary_launch(96, 96, 16, 2, 2, "cuda")[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
     assert launch.rotary_launch(96, 96, 16, 2, 4, "cuda")[:2] == (16, 8)  # float32: 4 per 16 bytes
     assert launch.rotary_launch(256, 112, 8, 0, 2, "cuda")[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
+
+
+ROW_OPS = [op for op in OPS if op not in ("qk_norm_rope_", "rope_")]
+
+
+def test_early_loads_change_no_result():
+    """A row's result must not depend on how many rows its call has: the row kernels' two load
+    orders (chosen by row count) give the same bits on every row-op conformance case. On the
+    CPU this runs in the interpreter (float32, where load order cannot matter anyway); on a
+    GPU it checks the compiled kernels in every dtype."""
+    on_gpu = torch.cuda.is_available()
+    dtypes = conformance.DTYPES if on_gpu else (torch.float32,)
+    with contextlib.nullcontext() if on_gpu else simulated_device("sm_90"):
+        with early_loads_below(2**62):
+            early = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
+        with early_loads_below(0):
+            late = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
+    assert len(early) == len(late) > 0
+    for (case, dtype, first), (_, _, second) in zip(early, late):
+        for a, b in zip(first, second):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), (case.id, dtype)

@@ -37,8 +37,8 @@ def _grid(rows: int, rows_per_program: int) -> tuple:
 def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
-    launch = row_launch("modulated_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
+    launch = row_launch("modulated_norm", rows, shape.hidden, vendor_of(x))
     return KernelLaunch(modulated_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
         residual, residual_rows.batch_stride, residual_rows.token_stride,
@@ -48,7 +48,8 @@ def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y,
     ), dict(
         RMS=norm == "rms", HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
+        EARLY_LOADS=launch.early_loads, num_warps=launch.num_warps,
     ))
 
 
@@ -64,8 +65,8 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
     gate_rows = rows_of(residual_gate) if residual_gate is not None else shape
-    launch = row_launch("selected_modulation_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
+    launch = row_launch("selected_modulation_norm", rows, shape.hidden, vendor_of(x))
     per_batch = [argument for t in modulations for argument in (t, t.stride(0) if t.shape[0] > 1 else 0)]
     return KernelLaunch(selected_modulation_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
@@ -77,7 +78,8 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
         rows, shape.tokens, shape.hidden, eps,
     ), dict(
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
+        EARLY_LOADS=launch.early_loads, num_warps=launch.num_warps,
     ))
 
 
@@ -96,8 +98,8 @@ def residual_norm_scale_shift_select_launch(
 def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
     shape = rows_of(x)
     branch_rows = rows_of(branch)
-    launch = row_launch("gated_add_norm", shape.hidden, vendor_of(x))
     rows = shape.batch * shape.tokens
+    launch = row_launch("gated_add_norm", rows, shape.hidden, vendor_of(x))
     return KernelLaunch(gated_add_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
         branch, branch_rows.batch_stride, branch_rows.token_stride,
@@ -108,7 +110,8 @@ def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, 
         RMS=norm == "rms", TANH_GATE=gate_act == "tanh", HAS_SCALE=scale is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_WEIGHT2=weight2 is not None, HAS_BIAS2=bias2 is not None,
-        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
+        EARLY_LOADS=launch.early_loads, num_warps=launch.num_warps,
     ))
 
 

@@ -15,29 +15,15 @@ def _tanh(v):
 
 
 @triton.jit
-def _gated_add(x, x_batch_stride, x_token_stride, normalized, weight, bias,
-               gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
-               out, row, batch, token, hidden, columns, mask,
-               TANH_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out = x + act(gate) * affine(normalized) over one tile, stored, and returned as stored."""
+def _gate_and_input(x, x_batch_stride, x_token_stride,
+                    gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
+                    batch, token, columns, mask, TANH_GATE: tl.constexpr):
+    """(act(gate), x) over one tile."""
     gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
                                GATE_DIM_STRIDE, columns, mask)
     if TANH_GATE:
         gate_row = _tanh(gate_row)
-    normalized = affine(normalized, weight, bias, columns, mask, HAS_WEIGHT, HAS_BIAS)
-    x_row = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
-    return store_rows(out, row, hidden, x_row + gate_row * normalized, columns, mask)
-
-
-@triton.jit
-def _store_scaled(y, normalized, weight, bias,
-                  scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
-                  row, batch, token, hidden, columns, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = affine(normalized) * (1 + scale) over one tile."""
-    normalized = affine(normalized, weight, bias, columns, mask, HAS_WEIGHT, HAS_BIAS)
-    scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                SCALE_DIM_STRIDE, columns, mask)
-    store_rows(y, row, hidden, normalized * (1.0 + scale_row), columns, mask)
+    return gate_row, load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
 
 
 @triton.jit
@@ -50,21 +36,41 @@ def gated_add_norm_kernel(
     rows, tokens, hidden, eps,
     RMS: tl.constexpr, TANH_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr,
-    BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
 ):
     head, head_mask, tail, tail_mask, row, batch, token = row_tile(rows, tokens, hidden, BLOCK, TAIL, ROWS_PER_PROGRAM)
     b = load_rows(branch, batch, token, branch_batch_stride, branch_token_stride, head, head_mask)
     b_tail = load_rows(branch, batch, token, branch_batch_stride, branch_token_stride, tail, tail_mask)
+    if EARLY_LOADS:
+        gate_row, x_row = _gate_and_input(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
+                                          gate_group_size, GATE_DIM_STRIDE, batch, token, head, head_mask, TANH_GATE)
+        gate_tail, x_tail = _gate_and_input(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
+                                            gate_group_size, GATE_DIM_STRIDE, batch, token, tail, tail_mask, TANH_GATE)
+        if HAS_SCALE:
+            scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                        SCALE_DIM_STRIDE, head, head_mask)
+            scale_tail = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                         SCALE_DIM_STRIDE, tail, tail_mask)
     b, b_tail = normalize(b, b_tail, head_mask, tail_mask, hidden, eps, RMS)
-    o = _gated_add(x, x_batch_stride, x_token_stride, b, weight, bias,
-                   gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                   out, row, batch, token, hidden, head, head_mask, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
-    o_tail = _gated_add(x, x_batch_stride, x_token_stride, b_tail, weight, bias,
-                        gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                        out, row, batch, token, hidden, tail, tail_mask, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
+    if not EARLY_LOADS:
+        gate_row, x_row = _gate_and_input(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
+                                          gate_group_size, GATE_DIM_STRIDE, batch, token, head, head_mask, TANH_GATE)
+    b = affine(b, weight, bias, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+    o = store_rows(out, row, hidden, x_row + gate_row * b, head, head_mask)
+    if not EARLY_LOADS:
+        gate_tail, x_tail = _gate_and_input(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
+                                            gate_group_size, GATE_DIM_STRIDE, batch, token, tail, tail_mask, TANH_GATE)
+    b_tail = affine(b_tail, weight, bias, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    o_tail = store_rows(out, row, hidden, x_tail + gate_tail * b_tail, tail, tail_mask)
     if HAS_SCALE:
         o, o_tail = normalize(o, o_tail, head_mask, tail_mask, hidden, eps, RMS)
-        _store_scaled(y, o, weight2, bias2, scale, scale_batch_stride, scale_group_stride, scale_group_size,
-                      SCALE_DIM_STRIDE, row, batch, token, hidden, head, head_mask, HAS_WEIGHT2, HAS_BIAS2)
-        _store_scaled(y, o_tail, weight2, bias2, scale, scale_batch_stride, scale_group_stride, scale_group_size,
-                      SCALE_DIM_STRIDE, row, batch, token, hidden, tail, tail_mask, HAS_WEIGHT2, HAS_BIAS2)
+        if not EARLY_LOADS:
+            scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                        SCALE_DIM_STRIDE, head, head_mask)
+        store_rows(y, row, hidden, affine(o, weight2, bias2, head, head_mask, HAS_WEIGHT2, HAS_BIAS2) * (1.0 + scale_row),
+                   head, head_mask)
+        if not EARLY_LOADS:
+            scale_tail = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                         SCALE_DIM_STRIDE, tail, tail_mask)
+        store_rows(y, row, hidden, affine(o_tail, weight2, bias2, tail, tail_mask, HAS_WEIGHT2, HAS_BIAS2) * (1.0 + scale_tail),
+                   tail, tail_mask)

@@ -37,15 +37,19 @@ class RowLaunch(NamedTuple):
     tail: int  # the tail tile: the next power of two of D - block (1, all masked, where D is one)
     num_warps: int
     rows_per_program: int
+    early_loads: bool  # modulation loads issued before the norm's reduction (row_math.py)
 
 
-def row_launch(kernel: str, hidden: int, vendor: str) -> RowLaunch:
-    """Settings of a row kernel ("modulated_norm", "selected_modulation_norm", "gated_add_norm")."""
+def row_launch(kernel: str, rows: int, hidden: int, vendor: str) -> RowLaunch:
+    """Settings of a row kernel ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
+    for rows of D = hidden. num_warps and rows_per_program, which set how a row is reduced,
+    depend on D alone; early_loads, which only reorders loads, also on the number of rows."""
     block = _power_of_two_at_most(hidden)
     tail = triton.next_power_of_2(hidden - block) if hidden > block else 1
+    early_loads = rows <= _settings()["early_loads_max_rows"][vendor]
     for entry in _settings()[kernel][vendor]:
         if hidden <= entry["max_hidden"]:
-            return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"])
+            return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads)
     raise ValueError(f"no Triton launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
 

@@ -21,17 +21,15 @@ def _add_residual(v, residual, residual_batch_stride, residual_token_stride,
 
 
 @triton.jit
-def _store_modulated(y, normalized, weight, bias,
-                     scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
-                     shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE: tl.constexpr,
-                     row, batch, token, hidden, columns, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = affine(normalized) * (1 + scale) + shift over one tile."""
-    normalized = affine(normalized, weight, bias, columns, mask, HAS_WEIGHT, HAS_BIAS)
+def _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
+                shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE: tl.constexpr,
+                batch, token, columns, mask):
+    """(1 + scale, shift) over one tile."""
     scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
                                 SCALE_DIM_STRIDE, columns, mask)
     shift_row = load_modulation(shift, batch, token, shift_batch_stride, shift_group_stride, shift_group_size,
                                 SHIFT_DIM_STRIDE, columns, mask)
-    store_rows(y, row, hidden, normalized * (1.0 + scale_row) + shift_row, columns, mask)
+    return 1.0 + scale_row, shift_row
 
 
 @triton.jit
@@ -45,7 +43,7 @@ def modulated_norm_kernel(
     rows, tokens, hidden, eps,
     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
 ):
     head, head_mask, tail, tail_mask, row, batch, token = row_tile(rows, tokens, hidden, BLOCK, TAIL, ROWS_PER_PROGRAM)
     v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
@@ -57,12 +55,23 @@ def modulated_norm_kernel(
         v_tail = _add_residual(v_tail, residual, residual_batch_stride, residual_token_stride,
                                gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
                                residual_out, row, batch, token, hidden, tail, tail_mask, HAS_GATE)
+    if EARLY_LOADS:
+        scale_row, shift_row = _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                                           shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
+                                           batch, token, head, head_mask)
+        scale_tail, shift_tail = _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size,
+                                             SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride,
+                                             shift_group_size, SHIFT_DIM_STRIDE, batch, token, tail, tail_mask)
     v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, RMS)
-    _store_modulated(y, v, weight, bias,
-                     scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
-                     shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
-                     row, batch, token, hidden, head, head_mask, HAS_WEIGHT, HAS_BIAS)
-    _store_modulated(y, v_tail, weight, bias,
-                     scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
-                     shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
-                     row, batch, token, hidden, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    if not EARLY_LOADS:
+        scale_row, shift_row = _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                                           shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
+                                           batch, token, head, head_mask)
+    v = affine(v, weight, bias, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+    store_rows(y, row, hidden, v * scale_row + shift_row, head, head_mask)
+    if not EARLY_LOADS:
+        scale_tail, shift_tail = _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size,
+                                             SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride,
+                                             shift_group_size, SHIFT_DIM_STRIDE, batch, token, tail, tail_mask)
+    v_tail = affine(v_tail, weight, bias, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    store_rows(y, row, hidden, v_tail * scale_tail + shift_tail, tail, tail_mask)

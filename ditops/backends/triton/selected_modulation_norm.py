@@ -28,18 +28,14 @@ def _add_residual(v, residual, residual_batch_stride, residual_token_stride,
 
 
 @triton.jit
-def _store_selected(y, gate_out, normalized, weight, bias,
-                    scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
-                    scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
-                    selected, row, batch, hidden, columns, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = affine(normalized) * (1 + scale) + shift and gate_out = gate over one tile, from the
-    selected set."""
-    normalized = affine(normalized, weight, bias, columns, mask, HAS_WEIGHT, HAS_BIAS)
+def _selected(scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+              scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
+              selected, batch, columns, mask):
+    """(1 + scale, shift, gate) of the selected set over one tile."""
     scale_row = _choose(scale0, batch * scale0_batch_stride, scale1, batch * scale1_batch_stride, columns, mask, selected)
     shift_row = _choose(shift0, batch * shift0_batch_stride, shift1, batch * shift1_batch_stride, columns, mask, selected)
-    store_rows(y, row, hidden, normalized * (1.0 + scale_row) + shift_row, columns, mask)
     gate_row = _choose(gate0, batch * gate0_batch_stride, gate1, batch * gate1_batch_stride, columns, mask, selected)
-    store_rows(gate_out, row, hidden, gate_row, columns, mask)
+    return 1.0 + scale_row, shift_row, gate_row
 
 
 @triton.jit
@@ -53,7 +49,7 @@ def selected_modulation_norm_kernel(
     weight, bias, y, residual_out, gate_out,
     rows, tokens, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
 ):
     head, head_mask, tail, tail_mask, row, batch, token = row_tile(rows, tokens, hidden, BLOCK, TAIL, ROWS_PER_PROGRAM)
     v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
@@ -67,12 +63,25 @@ def selected_modulation_norm_kernel(
                                residual_out, row, batch, token, hidden, tail, tail_mask)
     last_row = tl.minimum(row, rows - 1)  # a step past the last row reads a valid index and stores nothing
     selected = tl.load(index + (last_row // tokens) * index_batch_stride + (last_row % tokens) * index_token_stride) != 0
+    if EARLY_LOADS:
+        scale_row, shift_row, gate_row = _selected(
+            scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride, selected, batch, head, head_mask)
+        scale_tail, shift_tail, gate_tail = _selected(
+            scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride, selected, batch, tail, tail_mask)
     v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, False)
-    _store_selected(y, gate_out, v, weight, bias,
-                    scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
-                    scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
-                    selected, row, batch, hidden, head, head_mask, HAS_WEIGHT, HAS_BIAS)
-    _store_selected(y, gate_out, v_tail, weight, bias,
-                    scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
-                    scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
-                    selected, row, batch, hidden, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    if not EARLY_LOADS:
+        scale_row, shift_row, gate_row = _selected(
+            scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride, selected, batch, head, head_mask)
+    v = affine(v, weight, bias, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+    store_rows(y, row, hidden, v * scale_row + shift_row, head, head_mask)
+    store_rows(gate_out, row, hidden, gate_row, head, head_mask)
+    if not EARLY_LOADS:
+        scale_tail, shift_tail, gate_tail = _selected(
+            scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride, selected, batch, tail, tail_mask)
+    v_tail = affine(v_tail, weight, bias, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    store_rows(y, row, hidden, v_tail * scale_tail + shift_tail, tail, tail_mask)
+    store_rows(gate_out, row, hidden, gate_tail, tail, tail_mask)
