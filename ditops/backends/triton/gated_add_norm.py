@@ -1,11 +1,11 @@
 """out = x + act(gate) * norm(branch), stored; optionally y = norm2(out) * (1 + scale) on out as
 stored (op 4, Z-Image's sandwich norm). act is identity or tanh. Rows are held as a head and a
-tail tile (row_math.py)."""
+tail tile (row_math.py); with EARLY_LOADS every load of both tiles comes before the first store."""
 
 import triton
 import triton.language as tl
 
-from .row_math import affine, load_modulation, load_rows, normalize, row_tile, store_rows
+from .row_math import fold_affine, load_modulation, load_rows, normalize, row_tile, store_rows
 
 
 @triton.jit
@@ -15,15 +15,26 @@ def _tanh(v):
 
 
 @triton.jit
-def _gate_and_input(x, x_batch_stride, x_token_stride,
-                    gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
-                    batch, token, columns, mask, TANH_GATE: tl.constexpr):
-    """(act(gate), x) over one tile."""
+def _out_terms(x, x_batch_stride, x_token_stride,
+               gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
+               weight, bias, batch, token, columns, mask,
+               TANH_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(m, a) over one tile with out = n * m + a = x + act(gate) * affine(n)."""
     gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
                                GATE_DIM_STRIDE, columns, mask)
     if TANH_GATE:
         gate_row = _tanh(gate_row)
-    return gate_row, load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
+    x_row = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
+    return fold_affine(gate_row, x_row, weight, bias, columns, mask, HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
+             weight2, bias2, batch, token, columns, mask, HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr):
+    """(m, a) over one tile with y = n * m + a = affine2(n) * (1 + scale)."""
+    scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
+                                SCALE_DIM_STRIDE, columns, mask)
+    return fold_affine(1.0 + scale_row, 0.0, weight2, bias2, columns, mask, HAS_WEIGHT2, HAS_BIAS2)
 
 
 @triton.jit
@@ -42,35 +53,33 @@ def gated_add_norm_kernel(
     b = load_rows(branch, batch, token, branch_batch_stride, branch_token_stride, head, head_mask)
     b_tail = load_rows(branch, batch, token, branch_batch_stride, branch_token_stride, tail, tail_mask)
     if EARLY_LOADS:
-        gate_row, x_row = _gate_and_input(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
-                                          gate_group_size, GATE_DIM_STRIDE, batch, token, head, head_mask, TANH_GATE)
-        gate_tail, x_tail = _gate_and_input(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
-                                            gate_group_size, GATE_DIM_STRIDE, batch, token, tail, tail_mask, TANH_GATE)
+        m, a = _out_terms(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride, gate_group_size,
+                          GATE_DIM_STRIDE, weight, bias, batch, token, head, head_mask, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
+        m_tail, a_tail = _out_terms(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
+                                    gate_group_size, GATE_DIM_STRIDE, weight, bias, batch, token, tail, tail_mask,
+                                    TANH_GATE, HAS_WEIGHT, HAS_BIAS)
         if HAS_SCALE:
-            scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                        SCALE_DIM_STRIDE, head, head_mask)
-            scale_tail = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                         SCALE_DIM_STRIDE, tail, tail_mask)
+            m2, a2 = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                              weight2, bias2, batch, token, head, head_mask, HAS_WEIGHT2, HAS_BIAS2)
+            m2_tail, a2_tail = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                                        weight2, bias2, batch, token, tail, tail_mask, HAS_WEIGHT2, HAS_BIAS2)
     b, b_tail = normalize(b, b_tail, head_mask, tail_mask, hidden, eps, RMS)
     if not EARLY_LOADS:
-        gate_row, x_row = _gate_and_input(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
-                                          gate_group_size, GATE_DIM_STRIDE, batch, token, head, head_mask, TANH_GATE)
-    b = affine(b, weight, bias, head, head_mask, HAS_WEIGHT, HAS_BIAS)
-    o = store_rows(out, row, hidden, x_row + gate_row * b, head, head_mask)
+        m, a = _out_terms(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride, gate_group_size,
+                          GATE_DIM_STRIDE, weight, bias, batch, token, head, head_mask, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
+    o = store_rows(out, row, hidden, b * m + a, head, head_mask)
     if not EARLY_LOADS:
-        gate_tail, x_tail = _gate_and_input(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
-                                            gate_group_size, GATE_DIM_STRIDE, batch, token, tail, tail_mask, TANH_GATE)
-    b_tail = affine(b_tail, weight, bias, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
-    o_tail = store_rows(out, row, hidden, x_tail + gate_tail * b_tail, tail, tail_mask)
-    if HAS_SCALE:
+        m_tail, a_tail = _out_terms(x, x_batch_stride, x_token_stride, gate, gate_batch_stride, gate_group_stride,
+                                    gate_group_size, GATE_DIM_STRIDE, weight, bias, batch, token, tail, tail_mask,
+                                    TANH_GATE, HAS_WEIGHT, HAS_BIAS)
+    o_tail = store_rows(out, row, hidden, b_tail * m_tail + a_tail, tail, tail_mask)
+    if HAS_SCALE:  # the second norm reads out as stored
         o, o_tail = normalize(o, o_tail, head_mask, tail_mask, hidden, eps, RMS)
         if not EARLY_LOADS:
-            scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                        SCALE_DIM_STRIDE, head, head_mask)
-        store_rows(y, row, hidden, affine(o, weight2, bias2, head, head_mask, HAS_WEIGHT2, HAS_BIAS2) * (1.0 + scale_row),
-                   head, head_mask)
+            m2, a2 = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                              weight2, bias2, batch, token, head, head_mask, HAS_WEIGHT2, HAS_BIAS2)
+        store_rows(y, row, hidden, o * m2 + a2, head, head_mask)
         if not EARLY_LOADS:
-            scale_tail = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
-                                         SCALE_DIM_STRIDE, tail, tail_mask)
-        store_rows(y, row, hidden, affine(o_tail, weight2, bias2, tail, tail_mask, HAS_WEIGHT2, HAS_BIAS2) * (1.0 + scale_tail),
-                   tail, tail_mask)
+            m2_tail, a2_tail = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                                        weight2, bias2, batch, token, tail, tail_mask, HAS_WEIGHT2, HAS_BIAS2)
+        store_rows(y, row, hidden, o_tail * m2_tail + a2_tail, tail, tail_mask)

@@ -1,35 +1,38 @@
 """y = norm(v) * (1 + scale) + shift, where v = x, or v = residual + gate * x stored first as
 residual_out (ops 1 and 2). A program normalises ROWS_PER_PROGRAM rows held in registers as a
-head and a tail tile (row_math.py): every element is read once and written once."""
+head and a tail tile (row_math.py): every element is read once and written once. With
+EARLY_LOADS every load of both tiles comes before the first store (row_math.py says when)."""
 
 import triton
 import triton.language as tl
 
-from .row_math import affine, load_modulation, load_rows, normalize, row_tile, store_rows
+from .row_math import fold_affine, load_modulation, load_rows, normalize, row_tile, store_rows
 
 
 @triton.jit
-def _add_residual(v, residual, residual_batch_stride, residual_token_stride,
-                  gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
-                  residual_out, row, batch, token, hidden, columns, mask, HAS_GATE: tl.constexpr):
-    """residual + gate * v over one tile, stored to residual_out and returned as stored."""
+def _residual_inputs(residual, residual_batch_stride, residual_token_stride,
+                     gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
+                     batch, token, columns, mask, HAS_GATE: tl.constexpr):
+    """(residual, gate) over one tile; the gate is 1 where there is none."""
+    previous = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask)
+    gate_row = 1.0
     if HAS_GATE:
-        v = v * load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
-                                GATE_DIM_STRIDE, columns, mask)
-    summed = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask) + v
-    return store_rows(residual_out, row, hidden, summed, columns, mask)
+        gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
+                                   GATE_DIM_STRIDE, columns, mask)
+    return previous, gate_row
 
 
 @triton.jit
-def _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
-                shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE: tl.constexpr,
-                batch, token, columns, mask):
-    """(1 + scale, shift) over one tile."""
+def _terms(weight, bias,
+           scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
+           shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE: tl.constexpr,
+           batch, token, columns, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(m, a) over one tile with y = n * m + a = affine(n) * (1 + scale) + shift."""
     scale_row = load_modulation(scale, batch, token, scale_batch_stride, scale_group_stride, scale_group_size,
                                 SCALE_DIM_STRIDE, columns, mask)
     shift_row = load_modulation(shift, batch, token, shift_batch_stride, shift_group_stride, shift_group_size,
                                 SHIFT_DIM_STRIDE, columns, mask)
-    return 1.0 + scale_row, shift_row
+    return fold_affine(1.0 + scale_row, shift_row, weight, bias, columns, mask, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
@@ -49,29 +52,37 @@ def modulated_norm_kernel(
     v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
     v_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
     if HAS_RESIDUAL:
-        v = _add_residual(v, residual, residual_batch_stride, residual_token_stride,
-                          gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                          residual_out, row, batch, token, hidden, head, head_mask, HAS_GATE)
-        v_tail = _add_residual(v_tail, residual, residual_batch_stride, residual_token_stride,
-                               gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                               residual_out, row, batch, token, hidden, tail, tail_mask, HAS_GATE)
+        previous, gate_row = _residual_inputs(residual, residual_batch_stride, residual_token_stride,
+                                              gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                                              batch, token, head, head_mask, HAS_GATE)
+        if EARLY_LOADS:
+            previous_tail, gate_tail = _residual_inputs(
+                residual, residual_batch_stride, residual_token_stride,
+                gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                batch, token, tail, tail_mask, HAS_GATE)
     if EARLY_LOADS:
-        scale_row, shift_row = _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
-                                           shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
-                                           batch, token, head, head_mask)
-        scale_tail, shift_tail = _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size,
-                                             SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride,
-                                             shift_group_size, SHIFT_DIM_STRIDE, batch, token, tail, tail_mask)
+        m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                      shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
+                      batch, token, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+        m_tail, a_tail = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
+                                SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
+                                SHIFT_DIM_STRIDE, batch, token, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    if HAS_RESIDUAL:  # the sum is stored, and normalised as stored
+        v = store_rows(residual_out, row, hidden, previous + v * gate_row, head, head_mask)
+        if not EARLY_LOADS:
+            previous_tail, gate_tail = _residual_inputs(
+                residual, residual_batch_stride, residual_token_stride,
+                gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                batch, token, tail, tail_mask, HAS_GATE)
+        v_tail = store_rows(residual_out, row, hidden, previous_tail + v_tail * gate_tail, tail, tail_mask)
     v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, RMS)
     if not EARLY_LOADS:
-        scale_row, shift_row = _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
-                                           shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
-                                           batch, token, head, head_mask)
-    v = affine(v, weight, bias, head, head_mask, HAS_WEIGHT, HAS_BIAS)
-    store_rows(y, row, hidden, v * scale_row + shift_row, head, head_mask)
+        m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                      shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
+                      batch, token, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+    store_rows(y, row, hidden, v * m + a, head, head_mask)
     if not EARLY_LOADS:
-        scale_tail, shift_tail = _modulation(scale, scale_batch_stride, scale_group_stride, scale_group_size,
-                                             SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride,
-                                             shift_group_size, SHIFT_DIM_STRIDE, batch, token, tail, tail_mask)
-    v_tail = affine(v_tail, weight, bias, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
-    store_rows(y, row, hidden, v_tail * scale_tail + shift_tail, tail, tail_mask)
+        m_tail, a_tail = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
+                                SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
+                                SHIFT_DIM_STRIDE, batch, token, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)

@@ -2,12 +2,13 @@
 set 1 where index[b, s] != 0, else set 0; the chosen gate is written out per token. With a
 residual, residual_out = residual + residual_gate * x is stored first and normalised as stored.
 Both sets are [B, D]: loading both and selecting costs L2 hits, not memory traffic. Rows are
-held as a head and a tail tile (row_math.py)."""
+held as a head and a tail tile (row_math.py); with EARLY_LOADS every load of both tiles comes
+before the first store."""
 
 import triton
 import triton.language as tl
 
-from .row_math import affine, load_rows, normalize, row_tile, store_rows
+from .row_math import fold_affine, load_rows, normalize, row_tile, store_rows
 
 
 @triton.jit
@@ -18,24 +19,24 @@ def _choose(first, first_offset, second, second_offset, columns, mask, selected)
 
 
 @triton.jit
-def _add_residual(v, residual, residual_batch_stride, residual_token_stride,
-                  residual_gate, residual_gate_batch_stride, residual_gate_token_stride,
-                  residual_out, row, batch, token, hidden, columns, mask):
-    """residual + residual_gate * v over one tile, stored to residual_out and returned as stored."""
-    gate_row = load_rows(residual_gate, batch, token, residual_gate_batch_stride, residual_gate_token_stride, columns, mask)
-    previous = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask)
-    return store_rows(residual_out, row, hidden, previous + gate_row * v, columns, mask)
+def _residual_inputs(residual, residual_batch_stride, residual_token_stride,
+                     residual_gate, residual_gate_batch_stride, residual_gate_token_stride, batch, token, columns, mask):
+    """(residual, residual_gate) over one tile."""
+    return (load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask),
+            load_rows(residual_gate, batch, token, residual_gate_batch_stride, residual_gate_token_stride, columns, mask))
 
 
 @triton.jit
-def _selected(scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
-              scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
-              selected, batch, columns, mask):
-    """(1 + scale, shift, gate) of the selected set over one tile."""
+def _terms(weight, bias, scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+           scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
+           selected, batch, columns, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(m, a, gate) over one tile with y = n * m + a = affine(n) * (1 + scale) + shift, all of
+    the selected set."""
     scale_row = _choose(scale0, batch * scale0_batch_stride, scale1, batch * scale1_batch_stride, columns, mask, selected)
     shift_row = _choose(shift0, batch * shift0_batch_stride, shift1, batch * shift1_batch_stride, columns, mask, selected)
     gate_row = _choose(gate0, batch * gate0_batch_stride, gate1, batch * gate1_batch_stride, columns, mask, selected)
-    return 1.0 + scale_row, shift_row, gate_row
+    m, a = fold_affine(1.0 + scale_row, shift_row, weight, bias, columns, mask, HAS_WEIGHT, HAS_BIAS)
+    return m, a, gate_row
 
 
 @triton.jit
@@ -54,34 +55,44 @@ def selected_modulation_norm_kernel(
     head, head_mask, tail, tail_mask, row, batch, token = row_tile(rows, tokens, hidden, BLOCK, TAIL, ROWS_PER_PROGRAM)
     v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
     v_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
-    if HAS_RESIDUAL:
-        v = _add_residual(v, residual, residual_batch_stride, residual_token_stride,
-                          residual_gate, residual_gate_batch_stride, residual_gate_token_stride,
-                          residual_out, row, batch, token, hidden, head, head_mask)
-        v_tail = _add_residual(v_tail, residual, residual_batch_stride, residual_token_stride,
-                               residual_gate, residual_gate_batch_stride, residual_gate_token_stride,
-                               residual_out, row, batch, token, hidden, tail, tail_mask)
     last_row = tl.minimum(row, rows - 1)  # a step past the last row reads a valid index and stores nothing
     selected = tl.load(index + (last_row // tokens) * index_batch_stride + (last_row % tokens) * index_token_stride) != 0
+    if HAS_RESIDUAL:
+        previous, gate_row = _residual_inputs(residual, residual_batch_stride, residual_token_stride, residual_gate,
+                                              residual_gate_batch_stride, residual_gate_token_stride,
+                                              batch, token, head, head_mask)
+        if EARLY_LOADS:
+            previous_tail, gate_tail = _residual_inputs(residual, residual_batch_stride, residual_token_stride,
+                                                        residual_gate, residual_gate_batch_stride,
+                                                        residual_gate_token_stride, batch, token, tail, tail_mask)
     if EARLY_LOADS:
-        scale_row, shift_row, gate_row = _selected(
-            scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
-            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride, selected, batch, head, head_mask)
-        scale_tail, shift_tail, gate_tail = _selected(
-            scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
-            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride, selected, batch, tail, tail_mask)
+        m, a, chosen_gate = _terms(
+            weight, bias, scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
+            selected, batch, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+        m_tail, a_tail, chosen_gate_tail = _terms(
+            weight, bias, scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
+            selected, batch, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    if HAS_RESIDUAL:  # the sum is stored, and normalised as stored
+        v = store_rows(residual_out, row, hidden, previous + gate_row * v, head, head_mask)
+        if not EARLY_LOADS:
+            previous_tail, gate_tail = _residual_inputs(residual, residual_batch_stride, residual_token_stride,
+                                                        residual_gate, residual_gate_batch_stride,
+                                                        residual_gate_token_stride, batch, token, tail, tail_mask)
+        v_tail = store_rows(residual_out, row, hidden, previous_tail + gate_tail * v_tail, tail, tail_mask)
     v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, False)
     if not EARLY_LOADS:
-        scale_row, shift_row, gate_row = _selected(
-            scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
-            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride, selected, batch, head, head_mask)
-    v = affine(v, weight, bias, head, head_mask, HAS_WEIGHT, HAS_BIAS)
-    store_rows(y, row, hidden, v * scale_row + shift_row, head, head_mask)
-    store_rows(gate_out, row, hidden, gate_row, head, head_mask)
+        m, a, chosen_gate = _terms(
+            weight, bias, scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
+            selected, batch, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+    store_rows(y, row, hidden, v * m + a, head, head_mask)
+    store_rows(gate_out, row, hidden, chosen_gate, head, head_mask)
     if not EARLY_LOADS:
-        scale_tail, shift_tail, gate_tail = _selected(
-            scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
-            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride, selected, batch, tail, tail_mask)
-    v_tail = affine(v_tail, weight, bias, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
-    store_rows(y, row, hidden, v_tail * scale_tail + shift_tail, tail, tail_mask)
-    store_rows(gate_out, row, hidden, gate_tail, tail, tail_mask)
+        m_tail, a_tail, chosen_gate_tail = _terms(
+            weight, bias, scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
+            scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
+            selected, batch, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+    store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)
+    store_rows(gate_out, row, hidden, chosen_gate_tail, tail, tail_mask)
