@@ -37,7 +37,7 @@ class RowLaunch(NamedTuple):
     tail: int  # the tail tile: the next power of two of D - block (1, all masked, where D is one)
     num_warps: int
     rows_per_program: int
-    early_loads: bool  # modulation loads issued before the norm's reduction (row_math.py)
+    early_loads: bool  # every load issued before the first store (row_math.py)
 
 
 def row_launch(kernel: str, rows: int, hidden: int, vendor: str) -> RowLaunch:
