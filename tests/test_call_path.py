@@ -240,6 +240,38 @@ def test_a_plan_launches_on_the_tensors_device_whatever_device_is_current(monkey
     assert [event[0] for event in events] == ["launch"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: only a GPU call has a bound Triton launcher")
+def test_a_bound_triton_launch_calls_the_launch_hooks_only_while_one_is_set():
+    """The bound launcher skips Triton's launch hooks while none is set (the cost of an empty
+    chain and its launch metadata) and calls them, as Triton's own launch does, once a
+    profiler sets one: both on calls that reuse a plan built before the hook was set."""
+    from triton import knobs
+
+    arguments = example_arguments("norm_scale_shift", (2, 64, 256), torch.bfloat16, device="cuda", seed=9)
+    assert ops.OPS["norm_scale_shift"].plan(ops.ordered_arguments("norm_scale_shift", **arguments)[0], None).implementation.name == "triton"
+    ditops.norm_scale_shift(**arguments)  # the plan, built without a hook
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # Triton >= 3.5: a HookChain
+        chain.add(hook)
+        remove = lambda: chain.remove(hook)  # noqa: E731
+    else:
+        knobs.runtime.launch_enter_hook = hook
+        remove = lambda: setattr(knobs.runtime, "launch_enter_hook", chain)  # noqa: E731
+    try:
+        y = ditops.norm_scale_shift(**arguments)
+    finally:
+        remove()
+    assert seen and "modulated" in seen[0], seen
+    ditops.norm_scale_shift(**arguments)
+    assert len(seen) == 1
+    torch.testing.assert_close(y, ditops.norm_scale_shift(**arguments, backend="reference"), rtol=2e-2, atol=2e-2)
+
+
 def test_a_compiled_library_op_obeys_an_override_set_after_compiling():
     """A library-op node (every op on the CPU; on a GPU the in-place ops and cuda/rocm choices)
     dispatches on each call, so an override set after compiling applies at once, no reset."""

@@ -83,9 +83,18 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
         for position, index in slots:
             arguments[position] = call_values[index]
         stream = current_stream(device_index)
-        enter_hook = hooks.launch_enter_hook
-        launch_metadata = None if enter_hook is None else compiled.launch_metadata(launch.grid, stream, *arguments)
-        c_launcher(grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata,
-                   enter_hook, hooks.launch_exit_hook, *arguments)
+        enter_hook, exit_hook = hooks.launch_enter_hook, hooks.launch_exit_hook
+        if _hooked(enter_hook) or _hooked(exit_hook):  # a profiler (e.g. proton) sees the launch as Triton's own
+            c_launcher(grid_x, grid_y, grid_z, stream, function, metadata,
+                       compiled.launch_metadata(launch.grid, stream, *arguments), enter_hook, exit_hook, *arguments)
+        else:
+            c_launcher(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *arguments)
 
     return launcher
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook would do anything. Since Triton 3.5 the hooks are
+    ``HookChain`` objects, never None: an empty chain is skipped, as are the launch metadata
+    built for it (host time that Triton's own launch spends too, and a bare launch does not)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
