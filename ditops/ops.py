@@ -1,10 +1,11 @@
 """The public ops (OPS.md) and their call path, top to bottom: signature -> plan -> launch.
 
 An eager call of an op:
-1. computes its **call signature** (dispatch/selector.py: every tensor's shape, strides,
+1. checks its **call signature** (dispatch/signature.py: every tensor's type, shape, strides,
    dtype, device, 16-byte alignment class and requires_grad, the other arguments, grad mode
-   and the backend override in force);
-2. looks up the **plan** built for that signature on its first call: validation passed,
+   and the backend override in force), a key in Python and the tensors' metadata compared
+   in C++ by PyTorch's ``TensorGuards``;
+2. finds the **plan** built for that signature on its first call: validation passed,
    the implementation chosen (registry, overrides), and a launcher fixed. Where the backend
    can pre-bind (Triton on NVIDIA: its compiled kernel's C launcher with the kernel's
    arguments laid out once, see backends/triton/kernel_launch.py; the CUDA backend: its
@@ -33,6 +34,7 @@ order of its signature, then the new output tensors to write (none for in-place 
 from __future__ import annotations
 
 import inspect
+import operator
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -43,12 +45,10 @@ from . import validation
 from .backends import reference
 from .dispatch import Features, describe
 from .dispatch.registry import Implementation
-from .dispatch.selector import call_signature, candidates, choose, dispatcher, format_table, select
+from .dispatch.selector import candidates, choose, dispatcher, format_table, select, signature_key
 
 _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
-
-MAX_PLANS = 4096  # distinct call signatures kept; the oldest is dropped past this
 
 
 def _new(x: Tensor) -> Tensor:
@@ -98,24 +98,27 @@ class Op:
     schema: str  # torch.library schema, (a!) marking what is written in place; its last argument is the backend override
     check_values: Optional[Callable] = None  # (*arguments) -> the plan's per-call check (*arguments), see Plan
 
+    def __post_init__(self) -> None:
+        # The non-tensor arguments, read into the call signature's key (positions in the schema).
+        types = [str(argument.type) for argument in torch._C.parse_schema(self.name + self.schema).arguments[:-1]]
+        positions = [i for i, text in enumerate(types) if text not in ("Tensor", "Optional[Tensor]")]
+        object.__setattr__(self, "scalars", operator.itemgetter(*positions))
+
     @property
     def in_place(self) -> bool:
         return "!)" in self.schema
 
     def plan(self, arguments: tuple, backend: Optional[str]) -> Plan:
-        state = dispatcher()
-        key = call_signature(self.name, arguments, backend)
+        table = dispatcher().plans
         try:
-            plan = state.plans.get(key)
-        except TypeError:  # an unhashable argument: validation below names it
+            key = signature_key(self.name, self.scalars, arguments, backend)
+            plan = table.find(key, arguments)
+        except (TypeError, AttributeError):  # unhashable or not a tensor: validation below names it
             key, plan = None, None
         if plan is None:
             plan = self._build_plan(arguments, backend)
             if key is not None:
-                with state.plans_lock:
-                    while len(state.plans) >= MAX_PLANS:
-                        state.plans.popitem(last=False)
-                    state.plans[key] = plan
+                table.add(key, arguments, plan)
         return plan
 
     def _build_plan(self, arguments: tuple, backend: Optional[str]) -> Plan:
@@ -410,14 +413,15 @@ def _in_place_checks(op: str, read_names: tuple) -> Callable:
     and the rest: positions within the cache, and no memory shared with what it writes
     (validation.InPlaceAliasing, whose spans are fixed per plan)."""
     cache_at, positions_at = read_names.index("cos_sin_cache"), read_names.index("positions")
-    count = len(read_names)
 
     def for_plan(q, k, *rest):
         aliasing = validation.InPlaceAliasing(op, q, k, dict(zip(read_names, rest)))
+        if rest[positions_at] is None:  # None is in the call signature: nothing to read but pointers
+            return aliasing.check
 
         def check(q, k, *rest):
             validation.position_values(op, rest[positions_at], rest[cache_at])
-            aliasing.check(q, k, rest[:count])
+            aliasing.check(q, k, *rest)
 
         return check
 

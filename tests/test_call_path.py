@@ -52,6 +52,51 @@ def test_a_changed_signature_builds_a_new_plan(counted_checks):
     assert len(counted_checks) == 4
 
 
+def test_the_alignment_class_of_every_pointer_is_in_the_signature(counted_checks):
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    base = torch.randn(2 * 5 * 64 + 8)
+
+    def at(offset):  # x as a view starting ``offset`` float32 elements into base
+        return base[offset:offset + 2 * 5 * 64].view(2, 5, 64)
+
+    ditops.norm_scale_shift(**dict(arguments, x=at(0)))  # 16-byte aligned
+    ditops.norm_scale_shift(**dict(arguments, x=at(1)))  # 4 bytes past: a new plan
+    ditops.norm_scale_shift(**dict(arguments, x=at(1).clone()))  # a new aligned tensor: cached
+    ditops.norm_scale_shift(**dict(arguments, x=at(2)))  # 8 bytes past: another class
+    ditops.norm_scale_shift(**dict(arguments, x=base[5:5 + 2 * 5 * 64].view(2, 5, 64)))  # 20 bytes: 4 past 16, cached
+    assert len(counted_checks) == 3
+
+
+def test_tensor_type_and_requires_grad_are_in_the_signature(counted_checks):
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    ditops.norm_scale_shift(**arguments)
+    ditops.norm_scale_shift(**dict(arguments, scale=arguments["scale"].clone().requires_grad_()))
+    ditops.norm_scale_shift(**dict(arguments, weight=torch.nn.Parameter(torch.ones(64))))
+    ditops.norm_scale_shift(**dict(arguments, weight=torch.ones(64)))  # a plain tensor, as the first call's: cached
+    ditops.norm_scale_shift(**dict(arguments, weight=None))
+    with torch.no_grad():  # grad mode is in the key
+        ditops.norm_scale_shift(**arguments)
+    assert len(counted_checks) == 5
+
+
+@pytest.mark.parametrize("variant", ["same", "other shape", "other strides", "other dtype", "requires grad",
+                                     "parameter", "meta"])
+def test_the_python_guard_agrees_with_tensor_guards(variant):
+    """signature.py compares tensor metadata in Python where PyTorch lacks TensorGuards."""
+    tensors = (torch.randn(4, 6), torch.randn(6))
+    changed = {
+        "same": lambda: (torch.randn(4, 6), torch.randn(6)),
+        "other shape": lambda: (torch.randn(4, 7), torch.randn(6)),
+        "other strides": lambda: (torch.randn(6, 4).t(), torch.randn(6)),
+        "other dtype": lambda: (torch.randn(4, 6), torch.randn(6, dtype=torch.float64)),
+        "requires grad": lambda: (torch.randn(4, 6, requires_grad=True), torch.randn(6)),
+        "parameter": lambda: (torch.randn(4, 6), torch.nn.Parameter(torch.randn(6))),
+        "meta": lambda: (torch.randn(4, 6, device="meta"), torch.randn(6)),
+    }[variant]()
+    verdict = dispatch.signature.tensor_guard(tensors)(*changed)
+    assert dispatch.signature._python_guard(tensors)(*changed) == verdict == (variant == "same")
+
+
 def test_a_changed_override_builds_a_new_plan_and_is_obeyed(counted_checks, monkeypatch):
     arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
     ditops.norm_scale_shift(**arguments)
@@ -88,7 +133,7 @@ def test_value_checks_run_on_every_call():
 
 
 def test_the_plan_table_is_bounded(monkeypatch):
-    monkeypatch.setattr(ops, "MAX_PLANS", 8)
+    monkeypatch.setattr(dispatch.signature, "MAX_PLANS", 8)
     for tokens in range(1, 30):
         ditops.norm_scale_shift(**example_arguments("norm_scale_shift", (1, tokens, 16), torch.float32))
     assert len(_plans()) == 8

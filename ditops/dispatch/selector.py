@@ -10,21 +10,21 @@ the registry (after user YAML) that accepts is taken.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
 import threading
-from typing import Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
-from torch import Tensor
 
 from . import device as device_module
-from .features import MAX_ALIGNMENT, Features
+from .features import Features
 from .registry import BUILTIN_REGISTRY, OPS, Implementation, Registry, op_name
+from .signature import PlanTable
 
 logger = logging.getLogger("ditops")
+_is_grad_enabled = torch.is_grad_enabled
 
 ALL_OPS = "*"
 
@@ -55,8 +55,7 @@ class _Dispatcher:
         self.registry = registry
         self.implementations = {op: registry.implementations(op) for op in OPS}
         self.env_forced = parse_backend_setting(os.environ.get("DITOPS_BACKEND", ""), "DITOPS_BACKEND")
-        self.plans = collections.OrderedDict()  # call_signature -> ditops.ops.Plan, oldest first
-        self.plans_lock = threading.Lock()  # taken to add a plan, not to read one
+        self.plans = PlanTable()  # ditops.ops.Plan by call signature
         self.warned: set = set()
 
 
@@ -143,24 +142,15 @@ def candidates(op: str, features: Features) -> list:
     return [Candidate(impl.name, impl.refusal(features)) for impl in dispatcher().implementations[op]]
 
 
-def call_signature(op: str, arguments: tuple, backend: Optional[str]) -> tuple:
-    """Everything validation and the constraints read from a call: each tensor's shape,
-    strides, dtype, device, pointer alignment and requires_grad, the other arguments (with
-    their types: True and 1 validate differently), grad mode, overrides, simulation.
-    Tensor values are not in it: no check depends on them but ``position_values``."""
-    # This runs on every eager call: one flat tuple, each attribute read once. A tensor adds
-    # six entries starting with its torch.Size, anything else two starting with its type,
-    # so the flat sequence still tells the arguments apart.
+def signature_key(op: str, scalars: Callable, arguments: tuple, backend: Optional[str]) -> tuple:
+    """The half of a call's signature read in Python (signature.py holds the other half, the
+    tensors' metadata, checked per plan): the op, the override in force, grad mode, the
+    simulated device, every argument's type (None or a tensor; True is not 1), the non-tensor
+    arguments (``scalars`` picks them from ``arguments``) and the first argument's shape."""
     state = _dispatcher or dispatcher()
     forced = forced_backend(op, backend)[0] if backend is not None or _scopes.stack or state.env_forced else None
-    parts = [op, forced, torch.is_grad_enabled(), device_module._simulation.device]
-    for argument in arguments:
-        if isinstance(argument, Tensor):
-            parts += (argument.shape, argument.stride(), argument.dtype, argument.device,
-                      argument.data_ptr() & (MAX_ALIGNMENT - 1), argument.requires_grad)
-        else:
-            parts += (type(argument), argument)
-    return tuple(parts)
+    return (op, forced, _is_grad_enabled(), device_module._simulation.device, tuple(map(type, arguments)),
+            scalars(arguments), arguments[0].shape)
 
 
 def select(op: str, features: Features, backend: Optional[str] = None) -> Implementation:

@@ -12,6 +12,7 @@ launch settings) from an op's arguments and outputs; it never launches by itself
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Callable, NamedTuple, Optional
 
@@ -61,15 +62,21 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
     by_name.update((k, v) for k, v in launch.constexprs.items() if k not in _LAUNCH_OPTIONS)
     if set(by_name) != set(names):
         return None
-    template = [by_name[name] for name in names]
-    slots = []  # (position in the kernel's arguments, index in the call's values)
-    for position, argument in enumerate(template):
+    # The kernel's arguments, each an index into (a call's values + this call's constants):
+    # one C-level itemgetter lays out a later call's arguments.
+    constants, indices = [], []
+    for name in names:
+        argument = by_name[name]
         if isinstance(argument, torch.Tensor):
             index = next((i for i, value in enumerate(values) if value is argument), None)
             if index is None:
                 return None
-            slots.append((position, index))
-            template[position] = None  # the plan must not keep this call's tensors alive
+        else:  # the plan keeps no tensor of this call alive
+            index = len(values) + len(constants)
+            constants.append(argument)
+        indices.append(index)
+    constants = tuple(constants)
+    layout = operator.itemgetter(*indices)
     with torch.cuda.device(device_index):
         compiled = launch.kernel.warmup(*launch.arguments, grid=launch.grid, **launch.constexprs)
         compiled._init_handles()  # loads the module on this device now, not inside a later capture
@@ -79,9 +86,7 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
     hooks = knobs.runtime
 
     def launcher(call_values: tuple) -> None:
-        arguments = template.copy()
-        for position, index in slots:
-            arguments[position] = call_values[index]
+        arguments = layout(call_values + constants)
         stream = current_stream(device_index)
         enter_hook, exit_hook = hooks.launch_enter_hook, hooks.launch_exit_hook
         if _hooked(enter_hook) or _hooked(exit_hook):  # a profiler (e.g. proton) sees the launch as Triton's own
