@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from collections import Counter, defaultdict
@@ -66,19 +67,30 @@ def _progress(arguments):
     return lambda message: print(message, file=sys.stderr, flush=True)
 
 
-def _dispatch_scope(arch):
+def _simulated(arguments):
+    """The device that ``--arch`` (and ``--gpu-name``, which measured preferences match) names, or None."""
+    if arguments.gpu_name and not arguments.arch:
+        raise UsageError("--gpu-name names the GPU of --arch: give both, e.g. --arch sm_90 --gpu-name H200")
+    if not arguments.arch:
+        return None
+    device = dispatch.parse_arch(arguments.arch)
+    return dataclasses.replace(device, name=arguments.gpu_name) if arguments.gpu_name else device
+
+
+def _dispatch_scope(arguments):
     """Where info and explain dispatch: the named arch, else this machine's GPU, else the CPU.
     They describe calls on meta tensors (shapes without memory), which dispatch would see as
     CPU tensors, so this machine's GPU is simulated too."""
-    if arch:
-        return dispatch.simulated_device(arch)
+    simulated = _simulated(arguments)
+    if simulated:
+        return dispatch.simulated_device(simulated)
     if torch.cuda.is_available():  # the detected GPU itself: its name shows and it is not labelled simulated
         return dispatch.simulated_device(dispatch.current_device())
     return contextlib.nullcontext()
 
 
 def info(arguments) -> int:
-    device = dispatch.parse_arch(arguments.arch) if arguments.arch else dispatch.current_device()
+    device = _simulated(arguments) or dispatch.current_device()
     print(f"ditops {__version__}, torch {torch.__version__}")
     print(f"device: {device}")
     registry = dispatch.dispatcher().registry
@@ -90,7 +102,7 @@ def info(arguments) -> int:
         print(f"  {name:<{width}}  {'available' if reason is None else 'unavailable: ' + reason}")
     print(f"\ndispatch for typical bfloat16 inputs (tokens cut to {INFO_TOKENS}; the choice does not depend on them):")
     width = max(map(len, dispatch.OPS))
-    with _dispatch_scope(arguments.arch):
+    with _dispatch_scope(arguments):
         for op in dispatch.OPS:
             shape = list(DEFAULT_SHAPES[op])
             shape[-3 if op.endswith("_") else -2] = INFO_TOKENS
@@ -105,7 +117,7 @@ def explain_command(arguments) -> int:
         example = example_arguments(arguments.op, arguments.shape, arguments.dtype, "meta")
     except ValueError as error:
         raise UsageError(f"--shape: {error}") from None
-    with _dispatch_scope(arguments.arch):
+    with _dispatch_scope(arguments):
         print(explain(arguments.op, **example, compiled=arguments.compiled))
     return 0
 
@@ -303,6 +315,7 @@ def _parser() -> argparse.ArgumentParser:
     def simulated_arch(command):
         command.add_argument("--arch", help="show dispatch on this GPU arch (simulated), e.g. sm_90, gfx942")
         command.add_argument("--device", action=_DeprecatedDevice, metavar="ARCH", help="deprecated spelling of --arch")
+        command.add_argument("--gpu-name", help="with --arch: the GPU's name, which the registry's measured preferences match, e.g. H200")
 
     info_parser = commands.add_parser("info", help="the device, each backend's availability, and what each op dispatches to")
     simulated_arch(info_parser)

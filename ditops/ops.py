@@ -45,7 +45,7 @@ from . import validation
 from .backends import reference
 from .dispatch import Features, describe
 from .dispatch.registry import Implementation
-from .dispatch.selector import candidates, choose, dispatcher, format_table, select, signature_key
+from .dispatch.selector import candidates, choose, dispatcher, format_table, preference, select, signature_key
 
 _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
@@ -736,7 +736,9 @@ def explain(op: str, *args, compiled: bool = False, **kwargs) -> "Explanation":
         error = None
     except Exception as failure:
         chosen, error = None, str(failure)
-    return Explanation(op, features, rows, chosen, error)
+    rule = preference(op, features)
+    preferred = f"{rule.backend} goes first here, measured: {rule.measured}" if rule is not None else None
+    return Explanation(op, features, rows, chosen, error, preferred)
 
 
 @dataclass
@@ -746,9 +748,12 @@ class Explanation:
     candidates: list
     selected: Optional[str]
     error: Optional[str] = None
+    preferred: Optional[str] = None  # the measured preference that ordered the candidates
 
     def __str__(self) -> str:
         if self.features is None:
             return f"ditops.{self.op}: {self.error}"
         head = f"ditops.{self.op} -> {self.selected}" if self.selected else f"ditops.{self.op}: {self.error}"
+        if self.preferred:
+            head += f"\n  preference: {self.preferred}"
         return head + "\n" + format_table(self.features, self.candidates)

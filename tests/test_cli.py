@@ -76,6 +76,16 @@ def test_quiet_check_prints_no_progress(capsys, monkeypatch):
     assert err == ""
 
 
+def test_explain_with_a_gpu_name_shows_the_measured_preference(capsys):
+    argv = ["explain", "residual_norm_scale_shift", "--shape", "1,64,5120", "--arch", "sm_90"]
+    code, named = run(capsys, *argv, "--gpu-name", "H200")
+    _, unnamed = run(capsys, *argv)
+    assert code == 0
+    assert "cuda sm_90 (H200) [simulated]" in named
+    assert "preference: cuda goes first here, measured: ditops bench" in named
+    assert "preference" not in unnamed
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--version"])
@@ -101,6 +111,7 @@ BAD_ARGUMENTS = {
     "zero compile threads": (["warmup", "--arch", "sm_90", "--jobs", "0"], "wanted a positive whole number, got '0'"),
     "arch that is no arch, for info": (["info", "--arch", "sm_9x"], "device arch 'sm_9x' is not one of"),
     "unknown op for bench": (["bench", "--ops", "nope"], "--ops: unknown op 'nope'"),
+    "GPU name without an arch": (["explain", "rope_", "--gpu-name", "H200"], "--gpu-name names the GPU of --arch"),
     "no subcommand": ([], "required: command"),
 }
 if not torch.cuda.is_available():

@@ -1,7 +1,9 @@
 """The dispatcher: device detection, constraints with reasons, the selection cache, the
 overrides, strict failures, the fallback warning and explain; on simulated devices."""
 
+import dataclasses
 import logging
+import re
 import types
 
 import pytest
@@ -459,4 +461,75 @@ def test_gfx950_goes_to_triton(op):
 
 
 def refusals_of(explanation) -> dict:
-    return {row.backend: row.refusal for row in explanation.candidates if row.backend != "cuda" or row.refusal}
+    return {row.backend: row.refusal for row in explanation.candidates}
+
+
+# Measured preferences (registry.yaml: preferences): a device class and a size range move
+# one backend first; elsewhere the order of `ops` holds.
+
+def _named(arch: str, name: str):
+    return dispatch.simulated_device(dataclasses.replace(dispatch.parse_arch(arch), name=name))
+
+
+@pytest.mark.parametrize("name, hidden, expected", [
+    ("NVIDIA H200", 5120, "cuda"),
+    ("NVIDIA H100 80GB HBM3", 5120, "cuda"),
+    ("NVIDIA H200", 3072, "triton"),  # outside the measured range
+    ("NVIDIA H200", 5128, "triton"),
+    ("NVIDIA A100-SXM4-80GB", 5120, "triton"),  # not measured there: the order of ops
+    ("", 5120, "triton"),
+])
+def test_a_measured_preference_moves_its_backend_first_where_it_was_measured(name, hidden, expected):
+    arguments = example_arguments("residual_norm_scale_shift", (1, 4, hidden), torch.bfloat16, param_dtype=torch.float32)
+    with _named("sm_90" if "A100" not in name else "sm_80", name):
+        explanation = ditops.explain("residual_norm_scale_shift", **arguments)
+    assert explanation.selected == expected
+    assert ("measured:" in str(explanation)) == (expected == "cuda")
+    # A row's choice never depends on how many rows its call has.
+    arguments = example_arguments("residual_norm_scale_shift", (1, 333, hidden), torch.bfloat16, param_dtype=torch.float32)
+    with _named("sm_90" if "A100" not in name else "sm_80", name):
+        assert ditops.explain("residual_norm_scale_shift", **arguments).selected == expected
+
+
+def test_a_preferred_backend_that_refuses_leaves_the_order_of_ops():
+    arguments = example_arguments("residual_norm_scale_shift", (1, 4, 5120), torch.bfloat16)  # mixed parameter dtypes
+    with _named("sm_90", "NVIDIA H200"):
+        explanation = ditops.explain("residual_norm_scale_shift", **arguments)
+    assert explanation.selected == "triton"
+    assert refusals_of(explanation)["cuda"].startswith("needs modulation/weight tensors of one dtype")
+
+
+def test_a_user_order_drops_the_measured_preferences_it_replaces(tmp_path):
+    arguments = example_arguments("residual_norm_scale_shift", (1, 4, 5120), torch.bfloat16, param_dtype=torch.float32)
+    config = tmp_path / "order.yaml"
+    config.write_text("ops:\n  residual_norm_scale_shift: [triton, cuda]\n")
+    dispatch.load_config(config)
+    with _named("sm_90", "NVIDIA H200"):
+        assert ditops.explain("residual_norm_scale_shift", **arguments).selected == "triton"
+    config.write_text(
+        "preferences:\n  residual_norm_scale_shift:\n"
+        "    - {backend: cuda, when: {device_names: [H200]}, measured: 'a test: 1 vs 2 us'}\n")
+    dispatch.load_config(config)
+    with _named("sm_90", "NVIDIA H200"):
+        explanation = ditops.explain("residual_norm_scale_shift", **dict(arguments, x=arguments["x"][..., :64].contiguous(),
+                                                                        residual=arguments["residual"][..., :64].contiguous(),
+                                                                        gate=arguments["gate"][..., :64].contiguous(),
+                                                                        scale=arguments["scale"][..., :64].contiguous(),
+                                                                        shift=arguments["shift"][..., :64].contiguous(),
+                                                                        weight=None, bias=None))
+    assert explanation.selected == "cuda"
+    assert "measured: a test: 1 vs 2 us" in str(explanation)
+
+
+@pytest.mark.parametrize("rule, message", [
+    ("{backend: cuda, when: {device_names: [H200]}}", "exactly the keys backend, when, measured"),
+    ("{backend: nosuch, when: {}, measured: x}", "backend 'nosuch' is not defined"),
+    ("{backend: cuda, when: {device_names: H200}, measured: x}", "constraint device_names"),
+    ("{backend: cuda, when: {min_hidden: 4}, measured: x}", "unknown constraint 'min_hidden'"),
+    ("{backend: cuda, when: {}, measured: '  '}", "measured: is empty"),
+])
+def test_a_bad_preference_is_refused_by_name(tmp_path, rule, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"preferences:\n  rope_:\n    - {rule}\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dispatch.load_config(config)

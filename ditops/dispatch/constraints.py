@@ -36,6 +36,12 @@ def archs(wanted: list, f: Features) -> Reason:
         return f"supports AMD {', '.join(wanted)}, not {f.device.arch}"
 
 
+def device_names(wanted: list, f: Features) -> Reason:
+    """A device class by name ("H100" matches "NVIDIA H100 80GB HBM3"): for measured preferences."""
+    if not any(name in f.device.name for name in wanted):
+        return f"measured on {', '.join(wanted)}, not on {f.device.name or f.device.arch + ' (unnamed)'}"
+
+
 def dtypes(wanted: list, f: Features) -> Reason:
     if f.dtype not in wanted:
         return f"activations must be {_dtype_names(wanted)}, got {_dtype_names([f.dtype])}"
@@ -69,7 +75,7 @@ def hidden_multiple_of(wanted: int, f: Features) -> Reason:
 
 def min_hidden_size(wanted: int, f: Features) -> Reason:
     if f.hidden_size < wanted:
-        return f"is preferred for D >= {wanted} only, got D={f.hidden_size}"
+        return f"supports D >= {wanted}, got D={f.hidden_size}"
 
 
 def max_hidden_size(wanted: int, f: Features) -> Reason:
@@ -134,6 +140,7 @@ CHECKS: dict = {
         devices,
         min_sm,
         archs,
+        device_names,
         dtypes,
         param_dtypes,
         uniform_param_dtype,
@@ -194,6 +201,8 @@ VALUE_TYPES: dict = {
     "min_sm": ("an integer >= 0 (e.g. 80 for sm_80)", _non_negative),
     "archs": ("a list of AMD arch names (e.g. [gfx90a, gfx942])",
               _list_of(lambda item: isinstance(item, str) and item.startswith("gfx") and item[3:].isalnum())),
+    "device_names": ("a list of GPU names or parts of them (e.g. [H100, H200])",
+                     _list_of(lambda item: isinstance(item, str) and item.strip() != "")),
     "dtypes": _DTYPES,
     "param_dtypes": _DTYPES,
     "uniform_param_dtype": _BOOLEAN,

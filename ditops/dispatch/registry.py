@@ -17,8 +17,15 @@ and implementations, reorder them and disable them:
           hidden_multiple_of: 8    # constraints of this implementation (merged over the backend's)
     prefer: [triton]               # for every op, move these backends to the front
     disable: [cuda, rope_=triton]  # never pick these (everywhere, or for one op)
+    preferences:                   # measured exceptions to the order of ``ops``
+      residual_norm_scale_shift:
+        - backend: cuda            # taken first where it accepts a call that ``when`` matches
+          when: {device_names: [H200], min_hidden_size: 4097, max_hidden_size: 5120}
+          measured: "what was timed, where, and the numbers"
 
-Implementations not named keep their registry order behind the named ones.
+Implementations not named keep their registry order behind the named ones. ``prefer`` and
+``ops.<op>`` set an order themselves, so they drop the measured preferences of the ops they
+reorder (every op for ``prefer``); ``preferences.<op>`` replaces that op's rules.
 
 **A config file runs code**: each backend's ``module`` is imported (and its ``available``
 function called) with the rights of the process, like ``import`` in a script. Load only
@@ -45,7 +52,7 @@ import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import yaml
 
@@ -73,6 +80,7 @@ OPS = (
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _BACKEND_KEYS = ("module", "description", "available", "constraints")
+_TOP_LEVEL_KEYS = ("backends", "ops", "prefer", "disable", "preferences")
 
 
 def op_name(name: str) -> str:
@@ -143,6 +151,14 @@ class Implementation:
         return ", and ".join(reasons) or None
 
 
+class Preference(NamedTuple):
+    """A measured exception to an op's order: ``backend`` goes first where ``checks`` pass."""
+
+    backend: str
+    checks: list  # (check, wanted) pairs from constraints.compile_constraints
+    measured: str  # what was timed, where, and the numbers: explain shows it
+
+
 class Registry:
     """Backends and, per op, implementations in order of preference."""
 
@@ -150,6 +166,7 @@ class Registry:
         self.backends: dict = {}
         self.entries: dict = {op: [] for op in OPS}  # op -> list of (backend name, entry mapping)
         self.disabled: set = set()  # (op or "*", backend name)
+        self.preferences: dict = {op: [] for op in OPS}  # op -> list of Preference, first match wins
         self.sources: list = []
 
     def load(self, path) -> None:
@@ -161,12 +178,11 @@ class Registry:
         """Merges one parsed config; ``where`` names it in messages. Backends defined by an
         untrusted (user) document are imported and checked now."""
         document = {} if document is None else document
-        _expect(document, dict, where, "the document", "a mapping with keys backends, ops, prefer, disable")
-        unknown = [key for key in document if key not in ("backends", "ops", "prefer", "disable")]
+        known = ", ".join(_TOP_LEVEL_KEYS)
+        _expect(document, dict, where, "the document", f"a mapping with keys {known}")
+        unknown = [key for key in document if key not in _TOP_LEVEL_KEYS]
         if unknown:
-            raise ValueError(
-                f"{where}: unknown top-level keys [{', '.join(shown(key) for key in unknown[:4])}]; known: backends, ops, prefer, disable"
-            )
+            raise ValueError(f"{where}: unknown top-level keys [{', '.join(shown(key) for key in unknown[:4])}]; known: {known}")
         for name, spec in _field(document, "backends", dict, where).items():
             self.backends[name] = _backend(name, spec, where, strict=not trusted)
         for position, name in enumerate(_field(document, "prefer", list, where)):
@@ -180,6 +196,13 @@ class Registry:
                 raise ValueError(f"{where}: ops: {error}") from None
             _expect(entries, list, where, f"ops.{op}", "a list of backend names or mappings with 'backend'")
             self._prefer(op, entries, where, create=True)
+        for op, rules in _field(document, "preferences", dict, where).items():
+            try:
+                op = op_name(op)
+            except ValueError as error:
+                raise ValueError(f"{where}: preferences: {error}") from None
+            _expect(rules, list, where, f"preferences.{op}", "a list of mappings with backend, when, measured")
+            self.preferences[op] = [self._preference(rule, where, f"preferences.{op}[{i}]") for i, rule in enumerate(rules)]
         for position, item in enumerate(_field(document, "disable", list, where)):
             self._disable(item, where, f"disable[{position}]")
         self._check_modules(where)
@@ -199,8 +222,29 @@ class Registry:
         self._known_backend(backend, where, at)
         self.disabled.add((op, backend))
 
+    def _preference(self, rule, where: str, at: str) -> "Preference":
+        keys = ("backend", "when", "measured")
+        if not isinstance(rule, dict) or set(rule) != set(keys):
+            raise ValueError(f"{where}: {at}: got {shown(rule)}, wanted a mapping with exactly the keys {', '.join(keys)}")
+        self._known_backend(rule["backend"], where, f"{at}.backend")
+        _expect(rule["when"], dict, where, f"{at}.when", "a mapping of constraint names to values")
+        _expect(rule["measured"], str, where, f"{at}.measured", "a string: what was timed, where, and the numbers")
+        if not rule["measured"].strip():
+            raise ValueError(f"{where}: {at}.measured: is empty; say what was timed, where, and the numbers")
+        checks = constraint_checks.compile_constraints(rule["when"], f"{where}: {at}.when")
+        return Preference(rule["backend"], checks, rule["measured"].strip())
+
+    def preference(self, op: str, features: Features) -> Optional["Preference"]:
+        """The first measured preference of ``op`` whose conditions the call meets, or None."""
+        for rule in self.preferences[op]:
+            if all(check(wanted, features) is None for check, wanted in rule.checks):
+                return rule
+        return None
+
     def _prefer(self, op: str, entries: list, where: str, create: bool) -> None:
-        """Moves the named implementations of ``op`` to the front; ``create`` adds missing ones."""
+        """Moves the named implementations of ``op`` to the front; ``create`` adds missing ones.
+        The op's measured preferences were measured against the order this replaces: dropped."""
+        self.preferences[op] = []
         current = self.entries[op]
         front = []
         for position, entry in enumerate(entries):

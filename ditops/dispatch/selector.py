@@ -139,7 +139,23 @@ def forced_backend(op: str, backend: Optional[str]) -> tuple:
 
 def candidates(op: str, features: Features) -> list:
     """Every enabled implementation of ``op``, best first, with why it refuses (None: accepts)."""
-    return [Candidate(impl.name, impl.refusal(features)) for impl in dispatcher().implementations[op]]
+    return [Candidate(impl.name, impl.refusal(features)) for impl in ordered(op, features)]
+
+
+def ordered(op: str, features: Features) -> list:
+    """The enabled implementations of ``op`` in the order a call with these features tries
+    them: the registry's, with the backend of a matching measured preference moved first."""
+    state = dispatcher()
+    implementations = state.implementations[op]
+    rule = state.registry.preference(op, features)
+    if rule is None:
+        return implementations
+    return [i for i in implementations if i.name == rule.backend] + [i for i in implementations if i.name != rule.backend]
+
+
+def preference(op: str, features: Features):
+    """The measured preference (registry.Preference) that orders this call, or None."""
+    return dispatcher().registry.preference(op, features)
 
 
 def signature_key(op: str, scalars: Callable, arguments: tuple, backend: Optional[str]) -> tuple:
@@ -168,7 +184,7 @@ def choose(op: str, features: Features, backend: Optional[str] = None) -> Implem
     if forced and features.traced:  # compiled_graph is a preference: a forced backend serves compiled graphs too
         features = features._replace(traced=False)
     refusals = []
-    for implementation in state.implementations[op]:
+    for implementation in ordered(op, features):
         reason = implementation.refusal(features)
         if forced and implementation.name != forced:
             refusals.append(Candidate(implementation.name, reason or f"not forced ({forced} is); it would accept"))
