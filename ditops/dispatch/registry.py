@@ -189,19 +189,9 @@ class Registry:
             self._known_backend(name, where, f"prefer[{position}]")
             for op in OPS:
                 self._prefer(op, [name], where, create=False)
-        for op, entries in _field(document, "ops", dict, where).items():
-            try:
-                op = op_name(op)
-            except ValueError as error:
-                raise ValueError(f"{where}: ops: {error}") from None
-            _expect(entries, list, where, f"ops.{op}", "a list of backend names or mappings with 'backend'")
+        for op, entries in _per_op(document, "ops", where, "a list of backend names or mappings with 'backend'"):
             self._prefer(op, entries, where, create=True)
-        for op, rules in _field(document, "preferences", dict, where).items():
-            try:
-                op = op_name(op)
-            except ValueError as error:
-                raise ValueError(f"{where}: preferences: {error}") from None
-            _expect(rules, list, where, f"preferences.{op}", "a list of mappings with backend, when, measured")
+        for op, rules in _per_op(document, "preferences", where, "a list of mappings with backend, when, measured"):
             self.preferences[op] = [self._preference(rule, where, f"preferences.{op}[{i}]") for i, rule in enumerate(rules)]
         for position, item in enumerate(_field(document, "disable", list, where)):
             self._disable(item, where, f"disable[{position}]")
@@ -396,6 +386,19 @@ def _field(document: dict, key: str, wanted: type, where: str):
             else:
                 _expect(name, str, where, f"{key}: the key {shown(name)}", "a string")
     return value
+
+
+def _per_op(document: dict, key: str, where: str, description: str) -> list:
+    """(op, list) pairs of a top-level mapping of op names to lists (``ops``, ``preferences``)."""
+    pairs = []
+    for op, items in _field(document, key, dict, where).items():
+        try:
+            op = op_name(op)
+        except ValueError as error:
+            raise ValueError(f"{where}: {key}: {error}") from None
+        _expect(items, list, where, f"{key}.{op}", description)
+        pairs.append((op, items))
+    return pairs
 
 
 def _expect_identifier(name, where: str, at: str) -> None:
