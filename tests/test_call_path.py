@@ -2,8 +2,10 @@
 it, the per-call checks that stay per call, and in-place arguments that share memory."""
 
 import contextlib
+import gc
 import re
 import threading
+import weakref
 
 import pytest
 import torch
@@ -130,6 +132,18 @@ def test_value_checks_run_on_every_call():
     with pytest.raises(ValueError, match="positions"):
         ditops.rope_(**dict(arguments, positions=positions + 10_000))
     assert torch.equal(arguments["q"], q_before)  # nothing written by the refused call
+
+
+@pytest.mark.parametrize("op, shape", [("norm_scale_shift", (2, 5, 64)), ("rope_", (6, 2, 32))])
+def test_a_plan_keeps_no_tensor_of_its_call_alive(op, shape):
+    """The signature's guards hold metadata, the launchers constants: never a call's tensors."""
+    arguments = example_arguments(op, shape, torch.float32)
+    references = [weakref.ref(t) for t in arguments.values() if isinstance(t, torch.Tensor)]
+    result = getattr(ditops, op)(**arguments)
+    assert len(_plans()) == 1
+    del arguments, result
+    gc.collect()
+    assert all(reference() is None for reference in references)
 
 
 def test_the_plan_table_is_bounded(monkeypatch):
