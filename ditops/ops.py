@@ -45,7 +45,7 @@ from . import validation
 from .backends import reference
 from .dispatch import Features, describe
 from .dispatch.registry import Implementation
-from .dispatch.selector import candidates, choose, dispatcher, format_table, preference, select, signature_key
+from .dispatch.selector import candidates, choose, dispatcher, format_table, select, signature_key
 
 _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
@@ -736,7 +736,7 @@ def explain(op: str, *args, compiled: bool = False, **kwargs) -> "Explanation":
         error = None
     except Exception as failure:
         chosen, error = None, str(failure)
-    rule = preference(op, features)
+    rule = dispatcher().registry.preference(op, features)
     preferred = f"{rule.backend} goes first here, measured: {rule.measured}" if rule is not None else None
     return Explanation(op, features, rows, chosen, error, preferred)
 

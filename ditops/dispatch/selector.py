@@ -153,11 +153,6 @@ def ordered(op: str, features: Features) -> list:
     return [i for i in implementations if i.name == rule.backend] + [i for i in implementations if i.name != rule.backend]
 
 
-def preference(op: str, features: Features):
-    """The measured preference (registry.Preference) that orders this call, or None."""
-    return dispatcher().registry.preference(op, features)
-
-
 def signature_key(op: str, scalars: Callable, arguments: tuple, backend: Optional[str]) -> tuple:
     """The half of a call's signature read in Python (signature.py holds the other half, the
     tensors' metadata, checked per plan): the op, the override in force, grad mode, the
