@@ -13,7 +13,6 @@ import ctypes
 import functools
 import hashlib
 import itertools
-import math
 import struct
 import threading
 from pathlib import Path
@@ -75,14 +74,18 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
 
 
 def rotary_instance(dtype: torch.dtype, head_size: int) -> Instance:
+    """The rotary kernel for heads of head_size: a thread per chunk of a head, in groups as wide
+    as still pack the most heads into a 32-lane segment (rotary.cu): 16 lanes for Dh 96 (two
+    heads either way), 10 for Dh 72 and 80 (three)."""
     settings = _launch_settings()["rotary"]
-    threads = 1 << max(0, math.ceil(math.log2(head_size / CHUNK)))
+    threads = SEGMENT // (SEGMENT // (head_size // CHUNK))
     block, items = settings["block"], settings["items"]
     return Instance("rotary.cu", "rotary", (C_TYPES[dtype], threads, block, items), block, threads)
 
 
 ROW_KERNELS = ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
-ROTARY_HEAD_SIZES = (8, 16, 32, 64, 128, 256)  # one instance per power-of-two thread count
+ROTARY_HEAD_SIZES = range(CHUNK, 256 + 1, CHUNK)  # every Dh the registry lets through (max_head_size)
+SEGMENT = 32  # lanes the rotary kernel packs whole heads into (kSegment in portability.cuh)
 
 
 def all_instances() -> list:
@@ -91,7 +94,7 @@ def all_instances() -> list:
     for dtype in C_TYPES:
         for param_dtype, kernel, entry in itertools.product(C_TYPES, ROW_KERNELS, _launch_settings()["rows"]):
             instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"]))
-        instances += [rotary_instance(dtype, head_size) for head_size in ROTARY_HEAD_SIZES]
+        instances += list(dict.fromkeys(rotary_instance(dtype, head_size) for head_size in ROTARY_HEAD_SIZES))
     return instances
 
 
@@ -306,17 +309,23 @@ class CompiledOps:
         q_tokens = tokens_of(q)
         q_heads, k_heads = q.shape[-2], (k.shape[-2] if k is not None else 0)
         rows = q_tokens.batch * q_tokens.tokens
-        if rows == 0 or q.shape[-1] == 0:
+        if rows == 0 or q_heads + k_heads == 0 or q.shape[-1] == 0:
             return None
         instance = rotary_instance(q.dtype, q.shape[-1])
+        # As rotary.cu numbers its slots: a token's q slots, then its k slots, `items` heads each.
+        items = _launch_settings()["rotary"]["items"]
+        slots = rows * ((q_heads + items - 1) // items + (k_heads + items - 1) // items)
+        if slots >= 2**31:
+            raise ValueError(f"rotary: {slots} head slots ({rows} tokens); the compiled kernel indexes slots with 32 bits")
+        slots_per_block = instance.block // SEGMENT * (SEGMENT // instance.group)
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
             (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
-            q_heads, k_heads, q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[1], position_offset,
+            q_heads, k_heads, q_tokens.tokens, rows, q.shape[-1], cos_sin_cache.shape[1], position_offset,
             float(eps), int(norm), int(interleaved),
         ]
-        return CompiledLaunch(instance, (rows, 1, 1), arguments)
+        return CompiledLaunch(instance, (-(-slots // slots_per_block), 1, 1), arguments)
 
     def qk_norm_rope__launch(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
                              position_offset):

@@ -76,3 +76,8 @@ template <> __device__ inline unsigned float_to_bits<bfloat16>(float value) {
 __device__ inline float to_float(float value) { return value; }
 template <> __device__ inline float bits_to_float<float>(unsigned bits) { return __uint_as_float(bits); }
 template <> __device__ inline unsigned float_to_bits<float>(float value) { return __float_as_uint(value); }
+
+// Lanes that work as one unit on every GPU: a warp on NVIDIA, half a wavefront on AMD. Kernels
+// that place work by segments (the rotary kernel's heads) then launch the same shapes on both
+// (SEGMENT in ditops/backends/compiled.py).
+constexpr int kSegment = 32;

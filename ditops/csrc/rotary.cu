@@ -1,9 +1,16 @@
 // Ops 5 and 6, in place: per token and head, optionally RMSNorm over the head (q_weight or
-// k_weight), then RoPE on the first R dims. One block per token takes all its heads, q heads
-// first, then k heads (GQA/MQA: any counts). A head belongs to HEAD_THREADS consecutive
-// threads, one chunk of 8 values each; a thread keeps its column for every head it touches,
-// so it loads its cos/sin and norm weights once per token. Each pass loads ITEMS heads per
-// thread before working on any, to keep several loads in flight.
+// k_weight), then RoPE on the first R dims.
+//
+// A head is held by HEAD_THREADS >= Dh / 8 consecutive lanes, one chunk of 8 values each (lanes
+// past Dh idle), and never straddles a 32-lane segment (NeoX partners are exchanged by lane
+// shuffles): a segment holds 32 / HEAD_THREADS heads' lanes, its slots. The launch code picks
+// the widest HEAD_THREADS that packs as many heads per segment as Dh / 8 lanes would, so few
+// instances serve every Dh at no cost in lanes. A slot takes up to ITEMS heads of one token
+// and one tensor, loaded together: a token (a row of the B * S) has ceil(Hq / ITEMS) q slots
+// then ceil(Hk / ITEMS) k slots, consecutive in the grid (they may straddle blocks, and a block
+// holds several tokens when heads are few), and slot j of a tensor takes its heads j,
+// j + slots, ... So each token costs one memory round trip, and a thread, which keeps one
+// column of one token and one tensor, loads its cos/sin and norm weight once.
 #include "memory.cuh"
 #include "reductions.cuh"
 
@@ -29,93 +36,111 @@ struct CosSinCache {
 template <typename T, int HEAD_THREADS, int BLOCK, int ITEMS>
 __global__ void __launch_bounds__(BLOCK) rotary(
     Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
-    long long q_heads, long long k_heads, long long tokens, long long head_size, long long rotary_dim,
+    long long q_heads, long long k_heads, long long tokens, long long rows, long long head_size, long long rotary_dim,
     long long position_offset, float eps, long long norm, long long interleaved) {
-    static_assert(HEAD_THREADS <= kWarpSize, "NeoX pairs are exchanged between lanes of one warp");
-    constexpr int kGroups = BLOCK / HEAD_THREADS;  // heads worked on at once
-    const int batch = blockIdx.x / static_cast<int>(tokens), token = blockIdx.x - batch * static_cast<int>(tokens);
-    const int group = threadIdx.x / HEAD_THREADS, lane = threadIdx.x % HEAD_THREADS;
-    const long long column = static_cast<long long>(lane) * kChunk;
-    const bool in_head = column < head_size;
-    const long long half = rotary_dim / 2;
+    constexpr int kSegmentHeads = kSegment / HEAD_THREADS;
+    static_assert(kSegmentHeads >= 1 && BLOCK % kSegment == 0, "whole heads in whole segments");
+    const int segment_lane = threadIdx.x % kSegment, member = segment_lane % HEAD_THREADS;
+    const int column = member * kChunk;
 
-    // This thread's cos and sin: for interleaved pairs (column/2 + e/2), for NeoX pairs
-    // (column mod R/2 + e), the same for every head.
-    const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;
-    const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
-    const bool first_half = interleaved ? column < rotary_dim : column < half;
-    const bool second_half = !interleaved && !first_half && column < rotary_dim;
-    float c[kChunk] = {}, s[kChunk] = {};
-    if (in_head && interleaved && first_half) {
+    // This thread's slot, token and tensor. 32-bit: the launch code keeps rows * token_slots
+    // below 2^31, and 64-bit division is slow.
+    const unsigned q_slots = static_cast<unsigned>((q_heads + ITEMS - 1) / ITEMS);
+    const unsigned token_slots = q_slots + static_cast<unsigned>((k_heads + ITEMS - 1) / ITEMS);
+    const unsigned slot = blockIdx.x * (BLOCK / kSegment * kSegmentHeads) + threadIdx.x / kSegment * kSegmentHeads
+                          + segment_lane / HEAD_THREADS;
+    const unsigned row = slot / token_slots, token_slot = slot - row * token_slots;
+    const unsigned batch = row / static_cast<unsigned>(tokens), token = row - batch * static_cast<unsigned>(tokens);
+    const bool in_q = token_slot < q_slots;
+    const Heads tensor = in_q ? q : k;
+    const long long heads = in_q ? q_heads : k_heads;
+    const unsigned first_head = in_q ? token_slot : token_slot - q_slots, slots = in_q ? q_slots : token_slots - q_slots;
+    // Lanes past the segment's last whole head or past Dh, and slots past the last token, touch
+    // no memory (they hold zeros, which add nothing to a head's sum).
+    const bool valid = segment_lane < kSegmentHeads * HEAD_THREADS && column < head_size && row < rows;
+
+    // The loads first: they need no position, cos/sin or weight. Chunks stay as loaded (16-byte
+    // words of T, half the registers of float for 16-bit data) until their head's turn.
+    constexpr int kWords = ChunkWords<T>::count;
+    T* const token_heads = static_cast<T*>(tensor.data) + batch * tensor.batch_stride + token * tensor.token_stride + column;
+    uint4 words[ITEMS][kWords];
+    bool stored[ITEMS];
 #pragma unroll
-        for (int e = 0; e < kChunk; e += 2) {
-            c[e] = load_of_dtype(cos_row, cache.dtype, (column + e) / 2);
-            s[e] = load_of_dtype(cos_row, cache.dtype, half + (column + e) / 2);
-        }
-    } else if (in_head && (first_half || second_half)) {
-        const long long pair = first_half ? column : column - half;
-        load_chunk_of_dtype(cos_row, cache.dtype, pair, c);
-        load_chunk_of_dtype(cos_row, cache.dtype, half + pair, s);
+    for (int item = 0; item < ITEMS; ++item) {
+        const unsigned head = first_head + item * slots;
+        stored[item] = valid && head < heads;
+#pragma unroll
+        for (int w = 0; w < kWords; ++w)  // coherent loads: this kernel writes q and k
+            words[item][w] = stored[item] ? reinterpret_cast<const uint4*>(token_heads + head * head_size)[w] : make_uint4(0, 0, 0, 0);
     }
-    float q_w[kChunk], k_w[kChunk];
-    if (norm && in_head && q_weight.data) load_chunk_of_dtype(q_weight.data, q_weight.dtype, column, q_w);
-    if (norm && in_head && k_weight.data) load_chunk_of_dtype(k_weight.data, k_weight.dtype, column, k_w);
 
-    const long long heads = q_heads + k_heads;
-    T* q_token = static_cast<T*>(q.data) + batch * q.batch_stride + token * q.token_stride + column;
-    T* k_token = static_cast<T*>(k.data) + batch * k.batch_stride + token * k.token_stride + column;
-    for (long long first = 0; first < heads; first += kGroups * ITEMS) {  // the same passes for every thread
-        float v[ITEMS][kChunk];
-        T* where[ITEMS];
-        bool valid[ITEMS], is_q[ITEMS];
+    // cos and sin of this thread's pairs, the same for every head: interleaved pairs
+    // (column + e, column + e + 1) take index (column + e) / 2; NeoX pairs (j, j + R/2) take
+    // j = column mod R/2, and the first half's sin is negated so both halves add partner * s.
+    const int half = static_cast<int>(rotary_dim / 2);
+    const bool rotated = column < rotary_dim, first_half = column < half;
+    float c[kChunk] = {}, s[kChunk] = {};
+    if (valid && rotated) {
+        const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;
+        const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
+        if (interleaved) {
 #pragma unroll
-        for (int item = 0; item < ITEMS; ++item) {
-            const long long head = first + item * kGroups + group;
-            is_q[item] = head < q_heads;
-            valid[item] = in_head && head < heads;
-            where[item] = is_q[item] ? q_token + head * head_size : k_token + (head - q_heads) * head_size;
-            if (valid[item]) load_written_chunk(where[item], v[item]);
-            else {
+            for (int e = 0; e < kChunk; e += 2) {
+                c[e] = load_of_dtype(cos_row, cache.dtype, (column + e) / 2);
+                s[e] = load_of_dtype(cos_row, cache.dtype, half + (column + e) / 2);
+            }
+        } else {
+            const int pair = first_half ? column : column - half;
+            load_chunk_of_dtype(cos_row, cache.dtype, pair, c);
+            load_chunk_of_dtype(cos_row, cache.dtype, half + pair, s);
 #pragma unroll
-                for (int e = 0; e < kChunk; ++e) v[item][e] = 0.0f;
+            for (int e = 0; e < kChunk; ++e) s[e] = first_half ? -s[e] : s[e];
+        }
+    }
+    // The tensor's norm weight, or ones where it has none (x * 1 is exact).
+    const Weight weight = in_q ? q_weight : k_weight;
+    float w[kChunk];
+    if (norm && valid && weight.data) {
+        load_chunk_of_dtype(weight.data, weight.dtype, column, w);
+    } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) w[e] = 1.0f;
+    }
+
+    // The NeoX partner chunk lies R/2 / 8 lanes away in the same head.
+    const int lane = threadIdx.x % kWarpSize, distance = half / kChunk;
+    const int partner_lane = !rotated ? lane : first_half ? lane + distance : lane - distance;
+#pragma unroll
+    for (int item = 0; item < ITEMS; ++item) {
+        float v[kChunk];
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) v[e] = word_element<T>(words[item], e);
+        if (norm) {
+            float squares = 0.0f;
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) squares += v[e] * v[e];
+            const float inverse_rms = rsqrtf(lane_group_sum<HEAD_THREADS>(squares, member) / head_size + eps);
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) v[e] = v[e] * inverse_rms * w[e];
+        }
+        if (interleaved) {
+            if (rotated) {  // pairs (2j, 2j + 1) lie inside one chunk
+#pragma unroll
+                for (int e = 0; e < kChunk; e += 2) {
+                    const float even = v[e], odd = v[e + 1];
+                    v[e] = even * c[e] - odd * s[e];
+                    v[e + 1] = odd * c[e] + even * s[e];
+                }
+            }
+        } else {
+            float partner[kChunk];
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) partner[e] = shuffle(v[e], partner_lane);  // every lane takes part
+            if (rotated) {
+#pragma unroll
+                for (int e = 0; e < kChunk; ++e) v[e] = v[e] * c[e] + partner[e] * s[e];
             }
         }
-#pragma unroll
-        for (int item = 0; item < ITEMS; ++item) {
-            if (norm) {
-                float squares = 0.0f;
-#pragma unroll
-                for (int e = 0; e < kChunk; ++e) squares += v[item][e] * v[item][e];
-                const float inverse_rms = rsqrtf(group_sum<HEAD_THREADS, BLOCK>(squares) / head_size + eps);
-                const bool weighted = is_q[item] ? q_weight.data != nullptr : k_weight.data != nullptr;
-#pragma unroll
-                for (int e = 0; e < kChunk; ++e)
-                    v[item][e] *= weighted ? inverse_rms * (is_q[item] ? q_w[e] : k_w[e]) : inverse_rms;
-            }
-            if (interleaved) {
-                if (first_half) {  // pairs (2j, 2j + 1) lie inside one chunk
-#pragma unroll
-                    for (int e = 0; e < kChunk; e += 2) {
-                        const float even = v[item][e], odd = v[item][e + 1];
-                        v[item][e] = even * c[e] - odd * s[e];
-                        v[item][e + 1] = odd * c[e] + even * s[e];
-                    }
-                }
-            } else {
-                // pair (j, j + R/2): the chunk R/2 / kChunk lanes away in the same head holds the partner
-                const int distance = static_cast<int>(half / kChunk);
-                const int warp_lane = threadIdx.x % kWarpSize;
-                const int source = first_half ? warp_lane + distance : second_half ? warp_lane - distance : warp_lane;
-                float partner[kChunk];
-#pragma unroll
-                for (int e = 0; e < kChunk; ++e) partner[e] = shuffle(v[item][e], source);  // every lane takes part
-#pragma unroll
-                for (int e = 0; e < kChunk; ++e) {
-                    if (first_half) v[item][e] = v[item][e] * c[e] - partner[e] * s[e];
-                    else if (second_half) v[item][e] = v[item][e] * c[e] + partner[e] * s[e];
-                }
-            }
-            if (valid[item]) store_chunk(where[item], v[item]);
-        }
+        if (stored[item]) store_chunk(token_heads + (first_head + item * slots) * head_size, v);
     }
 }
