@@ -178,11 +178,41 @@ def test_rotary_head_blocks(monkeypatch):
 
     settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4}}}
     monkeypatch.setattr(launch, "_settings", lambda: settings)
-    assert launch.rotary_launch(128, 128, 24, 24, 2, "cuda")[:2] == (32, 32)  # 32 x 128 values: one pass
-    assert launch.rotary_launch(128, 128, 48, 48, 2, "cuda")[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
-    assert launch.rotary_launch(96, 96, 16, 2, 2, "cuda")[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
-    assert launch.rotary_launch(96, 96, 16, 2, 4, "cuda")[:2] == (16, 8)  # float32: 4 per 16 bytes
-    assert launch.rotary_launch(256, 112, 8, 0, 2, "cuda")[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
+    assert launch.rotary_launch(128, 128, 24, 24, 2, ("cuda",))[:2] == (32, 32)  # 32 x 128 values: one pass
+    assert launch.rotary_launch(128, 128, 48, 48, 2, ("cuda",))[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
+    assert launch.rotary_launch(96, 96, 16, 2, 2, ("cuda",))[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
+    assert launch.rotary_launch(96, 96, 16, 2, 4, ("cuda",))[:2] == (16, 8)  # float32: 4 per 16 bytes
+    assert launch.rotary_launch(256, 112, 8, 0, 2, ("cuda",))[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
+
+
+def test_a_device_class_takes_its_own_entries_and_its_vendors_elsewhere(monkeypatch):
+    """A GPU whose name holds a device class of the launch settings uses the class's entry of
+    a kernel where there is one; other GPUs of the vendor, and kernels without one, the
+    vendor's. Each device's settings depend on D, never on the row count, for the reduction."""
+    import dataclasses
+
+    from ditops.dispatch.device import parse_arch
+
+    settings = {
+        "device_classes": {"cuda": ["H200"]},
+        "early_loads_max_rows": {"cuda": 512, "rocm": 512},
+        "modulated_norm": {"cuda": [{"max_hidden": 4096, "num_warps": 4, "rows_per_program": 1}],
+                           "H200": [{"max_hidden": 4096, "num_warps": 1, "rows_per_program": 2}]},
+        "gated_add_norm": {"cuda": [{"max_hidden": 4096, "num_warps": 8, "rows_per_program": 1}]},
+    }
+    monkeypatch.setattr(launch, "_settings", lambda: settings)
+    x = torch.empty(2, 1536)
+    owners = {}
+    for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ""):
+        with simulated_device(dataclasses.replace(parse_arch("sm_90"), name=name)):
+            owners[name] = launch.settings_of(x)
+    assert owners == {"NVIDIA H200": ("H200", "cuda"), "NVIDIA H100 80GB HBM3": ("cuda",), "": ("cuda",)}
+    for rows in (1, 100000):
+        assert launch.row_launch("modulated_norm", rows, 1536, owners["NVIDIA H200"])[2:4] == (1, 2)
+        assert launch.row_launch("modulated_norm", rows, 1536, owners["NVIDIA H100 80GB HBM3"])[2:4] == (4, 1)
+        assert launch.row_launch("gated_add_norm", rows, 1536, owners["NVIDIA H200"])[2:4] == (8, 1)
+    with simulated_device("gfx942"):
+        assert launch.settings_of(x) == ("rocm",)
 
 
 ROW_OPS = [op for op in OPS if op not in ("qk_norm_rope_", "rope_")]

@@ -16,7 +16,7 @@ from ...dispatch.device import DeviceInfo
 from ..views import modulation, rows_of, tokens_of
 from .gated_add_norm import gated_add_norm_kernel
 from .kernel_launch import KernelLaunch, bind, run, trace
-from .launch import rotary_launch, row_launch, vendor_of
+from .launch import rotary_launch, row_launch, settings_of
 from .modulated_norm import modulated_norm_kernel
 from .rotary import rotary_kernel
 from .selected_modulation_norm import selected_modulation_norm_kernel
@@ -38,7 +38,7 @@ def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y,
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
     rows = shape.batch * shape.tokens
-    launch = row_launch("modulated_norm", rows, shape.hidden, vendor_of(x))
+    launch = row_launch("modulated_norm", rows, shape.hidden, settings_of(x))
     return KernelLaunch(modulated_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
         residual, residual_rows.batch_stride, residual_rows.token_stride,
@@ -66,7 +66,7 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
     residual_rows = rows_of(residual) if residual is not None else shape
     gate_rows = rows_of(residual_gate) if residual_gate is not None else shape
     rows = shape.batch * shape.tokens
-    launch = row_launch("selected_modulation_norm", rows, shape.hidden, vendor_of(x))
+    launch = row_launch("selected_modulation_norm", rows, shape.hidden, settings_of(x))
     per_batch = [argument for t in modulations for argument in (t, t.stride(0) if t.shape[0] > 1 else 0)]
     return KernelLaunch(selected_modulation_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
@@ -99,7 +99,7 @@ def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, 
     shape = rows_of(x)
     branch_rows = rows_of(branch)
     rows = shape.batch * shape.tokens
-    launch = row_launch("gated_add_norm", rows, shape.hidden, vendor_of(x))
+    launch = row_launch("gated_add_norm", rows, shape.hidden, settings_of(x))
     return KernelLaunch(gated_add_norm_kernel, _grid(rows, launch.rows_per_program), (
         x, shape.batch_stride, shape.token_stride,
         branch, branch_rows.batch_stride, branch_rows.token_stride,
@@ -131,7 +131,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     _, _, q_out_batch_stride, q_out_token_stride = tokens_of(q_out)
     _, _, k_out_batch_stride, k_out_token_stride = tokens_of(k_out) if k is not None else (0, 0, 0, 0)
     head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
-    launch = rotary_launch(head_size, rotary_dim, q.shape[-2], k.shape[-2] if k is not None else 0, q.element_size(), vendor_of(q))
+    launch = rotary_launch(head_size, rotary_dim, q.shape[-2], k.shape[-2] if k is not None else 0, q.element_size(), settings_of(q))
     positions_batch_stride, positions_token_stride = (0, 0)
     if positions is not None:
         positions_batch_stride, positions_token_stride = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()

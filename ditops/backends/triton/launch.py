@@ -21,10 +21,21 @@ def _settings() -> dict:
     return yaml.safe_load(SETTINGS_FILE.read_text())
 
 
-def vendor_of(t: torch.Tensor) -> str:
-    """"cuda" or "rocm": whose launch settings apply (a simulated device's, in tests)."""
-    vendor = device_of(t.get_device()).vendor
-    return vendor if vendor in ("cuda", "rocm") else "cuda"
+def settings_of(t: torch.Tensor) -> tuple:
+    """Whose launch settings apply to t's device (a simulated device's, in tests), most
+    specific first: the device class whose name is part of the GPU's name, if the settings
+    have one ("H200"), then the vendor ("cuda" or "rocm"). A kernel takes the first of these
+    it has an entry for."""
+    device = device_of(t.get_device())
+    vendor = device.vendor if device.vendor in ("cuda", "rocm") else "cuda"
+    classes = [name for name in _settings()["device_classes"].get(vendor, ()) if name in device.name]
+    return (*classes[:1], vendor)
+
+
+def _entry(name: str, owners: tuple):
+    """The setting `name` of the first owner (settings_of) that has its own."""
+    table = _settings()[name]
+    return table[next(owner for owner in owners if owner in table)]
 
 
 def _power_of_two_at_most(n: int) -> int:
@@ -40,14 +51,15 @@ class RowLaunch(NamedTuple):
     early_loads: bool  # every load issued before the first store (row_math.py)
 
 
-def row_launch(kernel: str, rows: int, hidden: int, vendor: str) -> RowLaunch:
+def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     """Settings of a row kernel ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
-    for rows of D = hidden. num_warps and rows_per_program, which set how a row is reduced,
-    depend on D alone; early_loads, which only reorders loads, also on the number of rows."""
+    for rows of D = hidden on a device whose settings are owners' (settings_of). num_warps and
+    rows_per_program, which set how a row is reduced, depend on D and the device alone;
+    early_loads, which only reorders loads, also on the number of rows."""
     block = _power_of_two_at_most(hidden)
     tail = triton.next_power_of_2(hidden - block) if hidden > block else 1
-    early_loads = rows <= _settings()["early_loads_max_rows"][vendor]
-    for entry in _settings()[kernel][vendor]:
+    early_loads = rows <= _entry("early_loads_max_rows", owners)
+    for entry in _entry(kernel, owners):
         if hidden <= entry["max_hidden"]:
             return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads)
     raise ValueError(f"no Triton launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
@@ -61,18 +73,18 @@ class RotaryLaunch(NamedTuple):
     num_warps: int
 
 
-def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, vendor: str) -> RotaryLaunch:
+def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, owners: tuple) -> RotaryLaunch:
     """A head block for q and one for k (k_heads 0: no k). A token's heads go in one pass when
     their tile holds at most one_pass_elements values, else in blocks of about tile_elements.
     A block is never narrower than what gives every thread a 16-byte load of a half-head
     tile: on an H200 a k block of 2 heads (GQA, Dh 96) made rope_ 14% slower than one of 16,
     its masked heads costing no memory traffic."""
-    entry = _settings()["rotary"][vendor]
+    entry = _entry("rotary", owners)
     block_half = triton.next_power_of_2(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
     per_head = 2 * block_half + (block_rest if head_size > rotary_dim else 0)
     fitting = _power_of_two_at_most(max(1, entry["tile_elements"] // per_head))
-    threads = entry["num_warps"] * warp_size_of(vendor)
+    threads = entry["num_warps"] * warp_size_of(owners[-1])
     vector = min(fitting, triton.next_power_of_2(-(-threads * (16 // element_size) // block_half)))
 
     def block_heads(heads: int) -> int:
