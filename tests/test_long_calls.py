@@ -8,11 +8,11 @@ import torch
 
 from ditops import conformance
 from ditops.dispatch.registry import OPS
-from ditops.examples import RowSpec, build
+from ditops.examples import HEAD_OPS, RowSpec, build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a GPU")
 
-ROW_OPS = [op for op in OPS if op not in ("qk_norm_rope_", "rope_")]
+ROW_OPS = [op for op in OPS if op not in HEAD_OPS]
 # 24000 rows of 256 with per-token modulation (an H100 or H200 runs at most 2048 threads on each
 # of its 132 SMs: 8448 such rows at 32 threads a row), and 2 x 6000 rows of 3072.
 SPECS = {
