@@ -9,6 +9,9 @@ of 24 x 128 heads, views of a fused qkv buffer, for the RoPE ops), bf16. Candida
   launcher with the same output allocation: Triton's ``CompiledKernel.run`` with the
   arguments laid out beforehand, or the CUDA driver's ``cuLaunchKernel`` with the
   parameters packed beforehand (only the outputs' pointers written per call);
+- ``bare_launch_pointers`` (Triton): the same, with the tensors' data pointers read in Python
+  and passed as ints, as ditops passes them (Triton's launcher asks the driver about each
+  tensor's pointer, cuPointerGetAttribute, and takes an int as it is);
 - ``unfused_eager``: the reference backend (the op's math as PyTorch ops) on its outputs.
 On a CPU (``--device cpu``, tiny S=4, D=64 and 2 x 32 heads, so the math costs little) the
 candidates are ``ditops`` and ``direct`` (the selected implementation called with its
@@ -41,6 +44,7 @@ import torch
 import ditops
 from ditops.backends import reference
 from ditops.dispatch import OPS
+from ditops.dispatch.signature import data_pointers
 from ditops.examples import example_arguments
 from ditops.ops import OPS as OP_TABLE
 from ditops.ops import ordered_arguments
@@ -94,9 +98,10 @@ def eager_rows(op: str, device: str) -> list:
     if device == "cpu":
         calls["direct", implementation.name] = lambda: function(*arguments, *spec.outputs(*arguments))
     else:
-        bare = bare_launch(op, implementation, arguments)
-        if bare is not None:
-            calls["bare_launch", implementation.name] = bare
+        for candidate, pointers in (("bare_launch", False), ("bare_launch_pointers", True)):
+            bare = bare_launch(op, implementation, arguments, pointers)
+            if bare is not None:
+                calls[candidate, implementation.name] = bare
         calls["unfused_eager", "reference"] = lambda: function(*arguments, *spec.outputs(*arguments))
     # The candidates take turns, in alternating order, and each keeps its best run: the
     # host's speed drifts over seconds, and a candidate timed only in a slow stretch would
@@ -110,8 +115,11 @@ def eager_rows(op: str, device: str) -> list:
             for candidate, backend in calls]
 
 
-def bare_launch(op: str, implementation, arguments: tuple):
-    """The chosen kernel through its lowest-level launcher, outputs allocated per call."""
+def bare_launch(op: str, implementation, arguments: tuple, pointers: bool = False):
+    """The chosen kernel through its lowest-level launcher, outputs allocated per call.
+    ``pointers`` (Triton): the tensors' data pointers read in Python and passed as ints, as
+    ditops passes them, rather than the tensors (for each of which Triton's C launcher calls
+    data_ptr() and asks the driver about the pointer)."""
     spec = OP_TABLE[op]
     outputs = spec.outputs(*arguments)
     device_index = arguments[0].get_device()
@@ -137,8 +145,16 @@ def bare_launch(op: str, implementation, arguments: tuple):
                 values[position] = new[index]
             run(*grid, stream(device_index), function, metadata, None, None, None, *values)
 
-        return call
-    if implementation.name == "cuda":
+        def call_with_pointers():
+            new = spec.outputs(*arguments)
+            values = template.copy()
+            for position, index in output_positions:
+                values[position] = new[index]
+            values = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in values]
+            run(*grid, stream(device_index), function, metadata, None, None, None, *values)
+
+        return call_with_pointers if pointers else call
+    if implementation.name == "cuda" and not pointers:
         from ditops.backends import cuda
         from ditops.backends.compiled import PackedArguments
         from ditops.backends.cuda import driver
@@ -152,7 +168,7 @@ def bare_launch(op: str, implementation, arguments: tuple):
         block = launch.instance.block
 
         def call():
-            address = packed.rebind(arguments + spec.outputs(*arguments))
+            address = packed.rebind(data_pointers(arguments + spec.outputs(*arguments)))
             cuLaunchKernel(kernel, *launch.grid, block, 1, 1, 0, stream(device_index), address, 0)
 
         return call
@@ -253,12 +269,14 @@ def table(path: Path) -> str:
     rows = json.loads(path.read_text())["rows"]
     eager = {(row["op"], row["candidate"]): row["host_us"] for row in rows if row["mode"] == "eager"}
     ops = list(dict.fromkeys(op for op, _ in eager))
-    lines = ["| op | ditops (us) | bare launch (us) | ditops / bare | unfused eager (us) |", "|---|---|---|---|---|"]
+    lines = ["| op | ditops (us) | bare launch (us) | ditops / bare | bare launch, pointers (us) | ditops / bare, pointers "
+             "| unfused eager (us) |", "|---|---|---|---|---|---|---|"]
     for op in ops:
-        ditops, bare, unfused = (eager.get((op, c)) for c in ("ditops", "bare_launch", "unfused_eager"))
-        ratio = f"{ditops / bare:.2f}x" if bare else "-"
-        cells = [f"{value:.1f}" if value is not None else "-" for value in (ditops, bare, unfused)]
-        lines.append(f"| `{op}` | {cells[0]} | {cells[1]} | {ratio} | {cells[2]} |")
+        ditops, bare, pointers, unfused = (eager.get((op, c)) for c in
+                                           ("ditops", "bare_launch", "bare_launch_pointers", "unfused_eager"))
+        ratios = [f"{ditops / base:.2f}x" if base else "-" for base in (bare, pointers)]
+        cells = [f"{value:.1f}" if value is not None else "-" for value in (ditops, bare, pointers, unfused)]
+        lines.append(f"| `{op}` | {cells[0]} | {cells[1]} | {ratios[0]} | {cells[2]} | {ratios[1]} | {cells[3]} |")
     compiled = {(row["op"], row["tokens"], row["candidate"]): row for row in rows if row["mode"] == "compiled"}
     if compiled:
         lines += ["", "| op | S | ditops (ms) | Inductor unfused (ms) | ditops / Inductor | kernels (ditops / Inductor) |",
@@ -290,7 +308,7 @@ def main() -> None:
     rows = []
     for op in options.ops:
         rows += eager_rows(op, options.device)
-        for row in rows[-3:]:
+        for row in rows:
             if row["op"] == op:
                 print(f"{op:34} eager    {row['candidate']:14} {row['backend']:10} {row['host_us']:8.1f} us", flush=True)
     if gpu and not options.no_compiled:

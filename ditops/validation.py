@@ -285,9 +285,10 @@ class InPlaceAliasing:
         self.op = op
         self.q_span = _byte_span(q)
         self.k_span = _byte_span(k) if k is not None else 0
-        # (position in ``read``, name, span) of every tensor read that has bytes
-        self.read_spans = [(i, name, span) for i, (name, t) in enumerate(read.items())
-                           if t is not None and (span := _byte_span(t))]
+        # (index in ``check``'s pointers, name, span) of every tensor read that has bytes
+        present = [(name, t) for name, t in read.items() if t is not None]
+        first = 1 if k is None else 2
+        self.read_spans = [(first + i, name, span) for i, (name, t) in enumerate(present) if (span := _byte_span(t))]
         self.row_window = None  # (one q row's bytes, one k row's bytes, row stride in bytes) when rows may interleave
         rows = _rows(q) if self.q_span and self.k_span and q.dim() >= 3 else ()
         if rows and rows == _rows(k):
@@ -296,21 +297,22 @@ class InPlaceAliasing:
                 first_row = (0,) * (q.dim() - 2)
                 self.row_window = (_byte_span(q[first_row]), _byte_span(k[first_row]), row_stride * q.element_size())
 
-    def check(self, q: torch.Tensor, k: Optional[torch.Tensor], *read) -> None:
-        """``read``: the tensors read, in the order of the ``read`` given at construction
-        (anything after them is ignored)."""
+    def check(self, pointers: tuple) -> None:
+        """``pointers``: the data pointers of q, of k (unless None), then of the tensors read
+        that are not None, in the order of the ``read`` given at construction (anything after
+        them is ignored)."""
         if not self.q_span:
             return
-        q_start = k_start = q.data_ptr()
+        q_start = k_start = pointers[0]
         low, high = q_start, q_start + self.q_span  # every byte written lies in [low, high)
         if self.k_span:
-            k_start = k.data_ptr()
+            k_start = pointers[1]
             offset = k_start - q_start
             if -self.k_span < offset < self.q_span and not self._rows_disjoint(offset):
                 fail(self.op, "k", "shares memory with q", "a tensor disjoint from q (q and k are both written)")
             low, high = min(low, k_start), max(high, k_start + self.k_span)
-        for position, name, span in self.read_spans:
-            start = read[position].data_ptr()
+        for index, name, span in self.read_spans:
+            start = pointers[index]
             if start < high and low < start + span:  # near what is written: compare with q and k each
                 for written_name, written_start, written_span in (("q", q_start, self.q_span), ("k", k_start, self.k_span)):
                     if written_span and start < written_start + written_span and written_start < start + span:

@@ -171,6 +171,32 @@ def test_threads_share_plans_and_get_their_own_results():
         torch.testing.assert_close(result, wanted, rtol=0, atol=0)
 
 
+def test_a_tensor_at_two_places_has_no_pointer_index():
+    """A launcher bound to one place of a tensor passed twice would launch that pointer for
+    both places in a later call that passes two tensors there: such a plan is not bound."""
+    x, m, other = torch.randn(2, 4), torch.randn(4), torch.randn(4)
+    values = (x, m, None, m, 1.0, other)
+    assert dispatch.signature.pointer_index(values, x) == 0
+    assert dispatch.signature.pointer_index(values, other) == 3
+    assert dispatch.signature.pointer_index(values, m) is None
+    assert dispatch.signature.pointer_index(values, torch.randn(4)) is None
+    assert dispatch.signature.data_pointers(values) == (x.data_ptr(), m.data_ptr(), m.data_ptr(), other.data_ptr())
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plan_built_with_one_tensor_at_two_places_launches_a_later_calls_two(device):
+    """scale and shift as one tensor, then as two with the same signature: the cached plan
+    (on a GPU, where its launcher would be bound) computes the second call's own result."""
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32, device)
+    ditops.norm_scale_shift(**dict(arguments, shift=arguments["scale"]))
+    second = dict(arguments, scale=torch.randn_like(arguments["scale"]), shift=torch.randn_like(arguments["shift"]))
+    expected = ditops.norm_scale_shift(**second, backend="reference")
+    torch.testing.assert_close(ditops.norm_scale_shift(**second), expected, rtol=1e-4, atol=1e-4)
+
+
 # In-place arguments that share memory: refused before anything is written, on every backend.
 
 BACKENDS_ON_CPU = [("reference", None), ("triton", "sm_90")]
@@ -284,18 +310,18 @@ def test_a_plan_launches_on_the_tensors_device_whatever_device_is_current(monkey
         events.append(("launch", values))
 
     if bound:
-        function.bind = lambda values, device_index: (lambda values: events.append(("launch", values, device_index)))
+        function.bind = lambda values, device_index: (lambda values, pointers: events.append(("launch", values, device_index)))
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(ops, "_current_device", lambda: current[0])
     launch = ops._launcher(types.SimpleNamespace(function=function), ("x",), 1)
 
-    launch(("x",))
+    launch(("x",), ())
     assert [event[0] for event in events] == ["enter", "launch", "exit"] and events[0] == ("enter", 1)
     if bound:
         assert events[1][2] == 1  # the bound launcher was built for device 1
     events.clear()
     current[0] = 1
-    launch(("x",))
+    launch(("x",), ())
     assert [event[0] for event in events] == ["launch"]
 
 

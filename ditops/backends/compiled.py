@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from .. import kernel_cache
+from ..dispatch.signature import pointer_index
 from .views import modulation, rows_of, tokens_of
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc"
@@ -104,9 +105,10 @@ class PackedArguments:
     or None (a pointer), an int (long long), a float (float), or a tuple of tensors, None and
     ints (a struct of 64-bit fields, as in memory.cuh).
 
-    Packed once per launch plan: ``rebind(values)`` then writes only the data pointers of a
-    later call's tensors, found at the places where this call's tensors were (``values`` are
-    a call's arguments and outputs; ``slots`` maps byte offsets to their indices)."""
+    Packed once per launch plan: ``rebind(pointers)`` then writes only the data pointers of
+    a later call's tensors, at the places of this call's tensors (``values`` are a call's
+    arguments and outputs, ``pointers`` the data pointers of the tensors among a call's
+    values, in order; ``slots`` maps byte offsets to indices in them)."""
 
     def __init__(self, arguments: list, values: tuple = ()):
         layout, fields, offsets, size = ["<"], [], [], 0
@@ -120,8 +122,7 @@ class PackedArguments:
                 elif isinstance(field, torch.Tensor):
                     layout.append("Q")
                     fields.append(field.data_ptr())
-                    index = next((i for i, value in enumerate(values) if value is field), None)
-                    self.slots.append((size, index))
+                    self.slots.append((size, pointer_index(values, field)))
                 else:
                     layout.append("q")
                     fields.append(0 if field is None else int(field))
@@ -133,12 +134,12 @@ class PackedArguments:
 
     @property
     def rebindable(self) -> bool:
-        """Whether every tensor parameter is one of the call's values."""
+        """Whether every tensor parameter is one of the call's values, at one place."""
         return all(index is not None for _, index in self.slots)
 
-    def rebind(self, values: tuple) -> int:
+    def rebind(self, pointers: tuple) -> int:
         for offset, index in self.slots:
-            _pack_pointer(self.buffer, offset, values[index].data_ptr())
+            _pack_pointer(self.buffer, offset, pointers[index])
         return self.address
 
 
@@ -230,7 +231,7 @@ class CompiledOps:
         def bind(values: tuple, device_index: int):
             launch = launch_of(*values)
             if launch is None:
-                return lambda values: None
+                return lambda values, pointers: None
             packed = PackedArguments(launch.arguments, values)
             if not packed.rebindable:
                 return None
@@ -241,9 +242,9 @@ class CompiledOps:
             # got 4 wrong results of 512). The driver copies the parameters at launch.
             lock = threading.Lock()
 
-            def launch_bound(values: tuple) -> None:
+            def launch_bound(values: tuple, pointers: tuple) -> None:
                 with lock:
-                    bound(grid, packed.rebind(values))
+                    bound(grid, packed.rebind(pointers))
 
             return launch_bound
 

@@ -69,6 +69,20 @@ def _low_bits(tensors: tuple) -> tuple:
     return tuple(_data_ptr(t) & _LOW_BITS for t in tensors)
 
 
+def data_pointers(arguments: tuple) -> tuple:
+    """The data pointers of the tensors among ``arguments``, in order (what ``find`` returns)."""
+    return tuple(_data_ptr(a) for a in arguments if isinstance(a, Tensor))
+
+
+def pointer_index(values: tuple, tensor: Tensor):
+    """Where ``tensor`` (found by identity) is among the tensors of ``values``: its index in
+    ``data_pointers(values)``. None where it is not there, or where it is there more than
+    once: a later call with the same signature may pass two different tensors there, and a
+    launcher bound to one of the places would launch the wrong one's pointer."""
+    places = [i for i, value in enumerate(value for value in values if isinstance(value, Tensor)) if value is tensor]
+    return places[0] if len(places) == 1 else None
+
+
 def _getter(positions: list) -> Callable:
     if len(positions) == 1:  # itemgetter of one position returns the item, not a tuple
         position = positions[0]
@@ -90,17 +104,20 @@ class PlanTable:
         return self._count
 
     def find(self, signature_key: tuple, arguments: tuple):
-        """The plan of a call with this key and these arguments, or None."""
+        """``(plan, pointers)`` for a call with this key and these arguments, or None.
+        ``pointers``: the data pointers of the call's tensor arguments, in argument order,
+        read once here for the alignment class and handed on to the launch."""
         # Each entry: (arguments -> the tensor arguments, TensorGuards' check, whether every
         # pointer was aligned, each pointer modulo MAX_ALIGNMENT, the plan).
         for tensors_of, check, aligned, low_bits, plan in self._by_key.get(signature_key, ()):
             tensors = tensors_of(arguments)
             if check(*tensors):
-                if _reduce(_or, map(_data_ptr, tensors)) & _LOW_BITS:
-                    if _low_bits(tensors) == low_bits:
-                        return plan
+                pointers = tuple(map(_data_ptr, tensors))
+                if _reduce(_or, pointers) & _LOW_BITS:
+                    if tuple(pointer & _LOW_BITS for pointer in pointers) == low_bits:
+                        return plan, pointers
                 elif aligned:
-                    return plan
+                    return plan, pointers
         return None
 
     def add(self, signature_key: tuple, arguments: tuple, plan) -> None:

@@ -18,6 +18,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from ...dispatch.signature import pointer_index
+
 
 class KernelLaunch(NamedTuple):
     kernel: object  # a triton.jit function
@@ -37,17 +39,19 @@ def trace(launch: KernelLaunch) -> None:
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 
 
-def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Callable[[tuple], None]]:
+def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Callable[[tuple, tuple], None]]:
     """A launcher for every call whose tensors have this call's shapes, strides, dtypes,
     device and 16-byte alignment class: Triton's compiled kernel is specialized on exactly
     those (pointer and integer divisibility by 16, integers equal to 1), so the kernel
     compiled for this call is the one Triton would pick for each of them.
 
     ``values`` are the call's arguments and outputs; every tensor the launch passes must be
-    one of them (found by identity): the launcher takes a later call's values and puts its
-    tensors in the same places. Returns None where no such launcher can be made: the
-    interpreter, AMD (Triton's AMD backend also specializes on buffer sizes, which a call
-    signature does not hold), a derived tensor, or a Triton whose launch path differs.
+    one of them, found by identity at exactly one place: the launcher,
+    ``launcher(values, pointers)``, takes a later call's data pointers (``pointers``: those
+    of the tensors among its values, in order) and puts them in the same places. Returns
+    None where no such launcher can be made: the interpreter, AMD (Triton's AMD backend also
+    specializes on buffer sizes, which a call signature does not hold), a derived tensor, a
+    tensor passed at two places, or a Triton whose launch path differs.
 
     The launcher calls the compiled kernel's C launcher directly: what Triton's own
     ``kernel[grid]`` does after its per-call argument specialization, cache key and binding,
@@ -62,17 +66,20 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
     by_name.update((k, v) for k, v in launch.constexprs.items() if k not in _LAUNCH_OPTIONS)
     if set(by_name) != set(names):
         return None
-    # The kernel's arguments, each an index into (a call's values + this call's constants):
-    # one C-level itemgetter lays out a later call's arguments.
+    # The kernel's arguments, each an index into (a call's data pointers + this call's
+    # constants): one C-level itemgetter lays out a later call's arguments. Pointers, not
+    # tensors: Triton's C launcher takes an int as it is, where for a tensor it calls
+    # data_ptr() and asks the driver about the pointer (cuPointerGetAttribute), every launch.
+    pointer_count = sum(isinstance(value, torch.Tensor) for value in values)
     constants, indices = [], []
     for name in names:
         argument = by_name[name]
         if isinstance(argument, torch.Tensor):
-            index = next((i for i, value in enumerate(values) if value is argument), None)
+            index = pointer_index(values, argument)
             if index is None:
                 return None
         else:  # the plan keeps no tensor of this call alive
-            index = len(values) + len(constants)
+            index = pointer_count + len(constants)
             constants.append(argument)
         indices.append(index)
     constants = tuple(constants)
@@ -85,8 +92,8 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
     current_stream = torch._C._cuda_getCurrentRawStream
     hooks = knobs.runtime
 
-    def launcher(call_values: tuple) -> None:
-        arguments = layout(call_values + constants)
+    def launcher(call_values: tuple, pointers: tuple) -> None:
+        arguments = layout(pointers + constants)
         stream = current_stream(device_index)
         enter_hook, exit_hook = hooks.launch_enter_hook, hooks.launch_exit_hook
         if _hooked(enter_hook) or _hooked(exit_hook):  # a profiler (e.g. proton) sees the launch as Triton's own
