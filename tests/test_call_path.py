@@ -99,6 +99,34 @@ def test_the_python_guard_agrees_with_tensor_guards(variant):
     assert dispatch.signature._python_guard(tensors)(*changed) == verdict == (variant == "same")
 
 
+@pytest.mark.skipif(dispatch.signature._find_in_c is None, reason="the C plan lookup (plan_lookup.c) was not built")
+def test_the_c_plan_lookup_agrees_with_its_python_twin():
+    """Plans for an aligned call, a call 4 bytes off and one without a weight; probes that hit
+    each, miss by alignment class, shape, dtype or key, and one more plan under a key."""
+    base = torch.randn(2 * 5 * 64 + 8)
+
+    def call(offset=0, weight=True, dtype=torch.float32, tokens=5):
+        x = base[offset:offset + 2 * tokens * 64].view(2, tokens, 64).to(dtype)
+        return (x, torch.randn(2, 64), torch.randn(2, 64), torch.randn(64) if weight else None, None, "layer", 1e-6)
+
+    table = dispatch.signature.PlanTable()
+    for name, arguments in (("aligned", call()), ("off 4", call(offset=1)), ("no weight", call(weight=False))):
+        table.add(("key", arguments[3] is None), arguments, name)
+    probes = [(False, call()), (False, call(offset=1)), (False, call(offset=5)), (False, call(offset=2)),
+              (True, call(weight=False)), (True, call(weight=False, offset=1)), (False, call(tokens=4)),
+              (False, call(dtype=torch.float64)), (False, call(weight=False))]
+    answers = []
+    for no_weight, arguments in probes:
+        key = ("key", no_weight)
+        found = dispatch.signature._find_in_c(table._by_key, key, arguments)
+        assert found == table.find_in_python(key, arguments)
+        answers.append(found[0] if found else None)
+    assert answers == ["aligned", "off 4", "off 4", None, "no weight", None, None, None, None]
+    assert dispatch.signature._find_in_c(table._by_key, ("other",), call()) is None
+    with pytest.raises(TypeError):
+        dispatch.signature._find_in_c(table._by_key, ("unhashable", []), call())
+
+
 def test_a_changed_override_builds_a_new_plan_and_is_obeyed(counted_checks, monkeypatch):
     arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
     ditops.norm_scale_shift(**arguments)

@@ -31,6 +31,11 @@ from torch import Tensor
 
 from .features import MAX_ALIGNMENT
 
+try:  # PlanTable.find in C (plan_lookup.c), built when the package is installed
+    from ._plan_lookup import find as _find_in_c
+except ImportError:  # pragma: no cover - a build without a C compiler runs the Python twin
+    _find_in_c = None
+
 try:  # private to Dynamo, public in its use there since torch 2.1
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:  # pragma: no cover - every torch this project supports has it
@@ -107,9 +112,15 @@ class PlanTable:
         """``(plan, pointers)`` for a call with this key and these arguments, or None.
         ``pointers``: the data pointers of the call's tensor arguments, in argument order,
         read once here for the alignment class and handed on to the launch."""
-        # Each entry: (arguments -> the tensor arguments, TensorGuards' check, whether every
-        # pointer was aligned, each pointer modulo MAX_ALIGNMENT, the plan).
-        for tensors_of, check, aligned, low_bits, plan in self._by_key.get(signature_key, ()):
+        if _find_in_c is not None:
+            return _find_in_c(self._by_key, signature_key, arguments)
+        return self.find_in_python(signature_key, arguments)
+
+    def find_in_python(self, signature_key: tuple, arguments: tuple):
+        """``find``'s Python twin (plan_lookup.c is the other): the same entries, the same answer."""
+        # Each entry: (the tensor arguments' positions, the same as an itemgetter, TensorGuards'
+        # check, whether every pointer was aligned, each pointer modulo MAX_ALIGNMENT, the plan).
+        for _, tensors_of, check, aligned, low_bits, plan in self._by_key.get(signature_key, ()):
             tensors = tensors_of(arguments)
             if check(*tensors):
                 pointers = tuple(map(_data_ptr, tensors))
@@ -125,7 +136,7 @@ class PlanTable:
         tensors_of = _getter(positions)
         tensors = tensors_of(arguments)
         low_bits = _low_bits(tensors)
-        entry = (tensors_of, tensor_guard(tensors), not any(low_bits), low_bits, plan)
+        entry = (tuple(positions), tensors_of, tensor_guard(tensors), not any(low_bits), low_bits, plan)
         with self._lock:
             while self._count >= MAX_PLANS and self._by_key:
                 self._count -= len(self._by_key.pop(next(iter(self._by_key))))
