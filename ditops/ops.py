@@ -46,6 +46,7 @@ from .backends import reference
 from .dispatch import Features, describe
 from .dispatch.registry import Implementation
 from .dispatch.selector import candidates, choose, dispatcher, format_table, select, signature_key
+from .dispatch import selector
 from .dispatch.signature import data_pointers
 
 _is_compiling = torch.compiler.is_compiling
@@ -122,7 +123,7 @@ class Op:
 
     def _find(self, arguments: tuple, backend: Optional[str]) -> tuple:
         """(the call's plan, its tensors' data pointers): found by the call signature, or built."""
-        table = dispatcher().plans
+        table = (selector._dispatcher or dispatcher()).plans
         try:
             key = signature_key(self.name, self.scalars, arguments, backend)
             found = table.find(key, arguments)
@@ -444,16 +445,21 @@ def _in_place_checks(op: str, read_names: tuple) -> Callable:
     return for_plan
 
 
+# The outputs of the functional ops: new contiguous tensors like x (``_new``, inlined: these run
+# on every call).
+
+
 def _one_like_x(x, *_):
-    return (_new(x),)
+    return (_empty_like(x, memory_format=_contiguous),)
 
 
 def _two_like_x(x, *_):
-    return (_new(x), _new(x))
+    return (_empty_like(x, memory_format=_contiguous), _empty_like(x, memory_format=_contiguous))
 
 
 def _three_like_x(x, *_):
-    return (_new(x), _new(x), _new(x))
+    return (_empty_like(x, memory_format=_contiguous), _empty_like(x, memory_format=_contiguous),
+            _empty_like(x, memory_format=_contiguous))
 
 
 def _in_place(*_):

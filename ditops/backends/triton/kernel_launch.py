@@ -96,7 +96,7 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
         arguments = layout(pointers + constants)
         stream = current_stream(device_index)
         enter_hook, exit_hook = hooks.launch_enter_hook, hooks.launch_exit_hook
-        if _hooked(enter_hook) or _hooked(exit_hook):  # a profiler (e.g. proton) sees the launch as Triton's own
+        if _hooked(enter_hook, exit_hook):  # a profiler (e.g. proton) sees the launch as Triton's own
             c_launcher(grid_x, grid_y, grid_z, stream, function, metadata,
                        compiled.launch_metadata(launch.grid, stream, *arguments), enter_hook, exit_hook, *arguments)
         else:
@@ -105,8 +105,9 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
     return launcher
 
 
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook would do anything. Since Triton 3.5 the hooks are
+def _hooked(enter_hook, exit_hook) -> bool:
+    """Whether any of Triton's launch hooks would do anything. Since Triton 3.5 the hooks are
     ``HookChain`` objects, never None: an empty chain is skipped, as are the launch metadata
     built for it (host time that Triton's own launch spends too, and a bare launch does not)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+    return bool((enter_hook is not None and getattr(enter_hook, "calls", True))
+                or (exit_hook is not None and getattr(exit_hook, "calls", True)))
