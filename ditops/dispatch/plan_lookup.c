@@ -19,17 +19,9 @@
 
 static PyObject *data_ptr_name;
 
-static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyDict_Check(args[0]) || !PyTuple_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "find(by_key: dict, key, arguments: tuple)");
-        return NULL;
-    }
-    PyObject *entries = PyDict_GetItemWithError(args[0], args[1]); /* borrowed */
-    if (entries == NULL) {
-        if (PyErr_Occurred()) return NULL; /* an unhashable key: the caller builds a plan */
-        Py_RETURN_NONE;
-    }
-    PyObject *arguments = args[2];
+/* The first entry whose guard and alignment class accept ``arguments``: (plan, pointers),
+ * None, or NULL with an exception set. */
+static PyObject *search(PyObject *entries, PyObject *arguments) {
     Py_ssize_t argument_count = PyTuple_GET_SIZE(arguments);
     for (Py_ssize_t e = 0; e < PyTuple_GET_SIZE(entries); e++) {
         PyObject *entry = PyTuple_GET_ITEM(entries, e);
@@ -86,6 +78,25 @@ static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(pointers);
     }
     Py_RETURN_NONE;
+}
+
+
+static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_Check(args[0]) || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "find(by_key: dict, key, arguments: tuple)");
+        return NULL;
+    }
+    PyObject *entries = PyDict_GetItemWithError(args[0], args[1]);
+    if (entries == NULL) {
+        if (PyErr_Occurred()) return NULL; /* an unhashable key: the caller builds a plan */
+        Py_RETURN_NONE;
+    }
+    /* Held while searching: the calls below may run Python code (a tensor subclass's
+     * data_ptr), where another thread's PlanTable.add may replace this key's entries. */
+    Py_INCREF(entries);
+    PyObject *found = search(entries, args[2]);
+    Py_DECREF(entries);
+    return found;
 }
 
 static PyMethodDef methods[] = {
