@@ -47,10 +47,15 @@ from .dispatch import Features, describe
 from .dispatch.registry import Implementation
 from .dispatch.selector import candidates, choose, dispatcher, format_table, select, signature_key
 from .dispatch import selector
-from .dispatch.signature import data_pointers
+from .dispatch import device as _device
+from .dispatch.signature import cached_call as _cached_call
+from .dispatch.signature import configure_cached_call, data_pointers
 
 _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
+if configure_cached_call is not None:
+    configure_cached_call(vars(selector), _device._simulation, torch.is_grad_enabled, _current_device,
+                          getattr(torch._C, "_cuda_getCurrentRawStream", None))
 
 
 _data_ptr = Tensor.data_ptr
@@ -72,6 +77,7 @@ class Plan(NamedTuple):
     implementation: Optional[Implementation]
     launch: Callable[[tuple, tuple], None]
     check_values: Optional[Callable] = None  # (arguments, pointers): the checks that read pointers or values, every call
+    direct: Optional[tuple] = None  # a bound Triton launch as data, which dispatch/plan_lookup.c issues from C
 
 
 def _nothing(values: tuple, pointers: tuple) -> None:
@@ -97,6 +103,7 @@ def _launcher(implementation: Implementation, values: tuple, device_index: int) 
             with torch.cuda.device(device_index):
                 call(values, pointers)
 
+    on_device.direct = getattr(call, "direct", None)
     return on_device
 
 
@@ -146,7 +153,8 @@ class Op:
             check(arguments, data_pointers(arguments))
         values = arguments + self.outputs(*arguments)
         device_index = values[0].get_device()
-        return Plan(implementation, _launcher(implementation, values, device_index), check)
+        launch = _launcher(implementation, values, device_index)
+        return Plan(implementation, launch, check, getattr(launch, "direct", None))
 
     def run(self, arguments: tuple, backend: Optional[str]) -> tuple:
         """The eager path: what the registered op does too."""
@@ -159,6 +167,10 @@ class Op:
 
     def __call__(self, arguments: tuple, backend: Optional[str]) -> tuple:
         if not _is_compiling():
+            if _cached_call is not None:  # run() in C for a call whose plan exists (dispatch/plan_lookup.c)
+                outputs = _cached_call(self, arguments, backend)
+                if outputs is not NotImplemented:
+                    return outputs
             return self.run(arguments, backend)
         if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in arguments):
             return self.traced_reference(arguments)

@@ -99,9 +99,172 @@ static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return found;
 }
 
+
+/* cached_call(op, arguments, backend) -> the op's outputs, or NotImplemented: Op.run of
+ * ops.py for a call whose plan exists, with no override in force (no backend=, no
+ * use_backend scope, no DITOPS_BACKEND). The same key as selector.signature_key, the same
+ * search, then the plan's per-call checks, the outputs and the launch: a Triton launch bound
+ * by kernel_launch.bind is issued from here (its ``direct`` attribute), any other through the
+ * plan's Python launcher. NotImplemented (no plan yet, an override, an argument the key
+ * cannot hold) sends the call down ops.py's path, which builds the plan or raises. */
+static PyObject *selector_globals, *simulation, *grad_enabled, *current_device, *current_stream; /* configure */
+static PyObject *n_scopes, *n_stack, *n_dispatcher, *n_env_forced, *n_plans, *n_by_key, *n_device,
+    *n_name, *n_scalars, *n_outputs, *n_shape, *n_calls;
+
+#define NOT_HERE do { PyErr_Clear(); result = Py_NewRef(Py_NotImplemented); goto done; } while (0)
+
+/* Whether a Triton launch hook would run: a HookChain with calls (kernel_launch._hooked). */
+static int hooked(PyObject *hook) {
+    if (hook == Py_None) return 0;
+    PyObject *calls = PyObject_GetAttr(hook, n_calls);
+    if (calls == NULL) { PyErr_Clear(); return 1; }
+    int any = PyObject_IsTrue(calls);
+    Py_DECREF(calls);
+    return any != 0;
+}
+
+/* The bound Triton launch of kernel_launch.bind, issued from C: 1 launched, 0 not this way
+ * (another device is current, or a launch hook is set: the Python launcher handles those),
+ * -1 error. direct = (c_launcher, grid_x, grid_y, grid_z, device index, function, metadata,
+ * indices, constants, runtime knobs). */
+static int launch_direct(PyObject *direct, PyObject *pointers) {
+    PyObject *device_index = PyTuple_GET_ITEM(direct, 4);
+    PyObject *current = PyObject_CallNoArgs(current_device);
+    if (current == NULL) return -1;
+    int same = PyObject_RichCompareBool(current, device_index, Py_EQ);
+    Py_DECREF(current);
+    if (same <= 0) return same;
+    PyObject *knobs = PyTuple_GET_ITEM(direct, 9);
+    PyObject *enter = PyObject_GetAttrString(knobs, "launch_enter_hook");
+    PyObject *exit_ = PyObject_GetAttrString(knobs, "launch_exit_hook");
+    int any_hook = enter == NULL || exit_ == NULL || hooked(enter) || hooked(exit_);
+    Py_XDECREF(enter); Py_XDECREF(exit_);
+    PyErr_Clear();
+    if (any_hook) return 0;
+    PyObject *indices = PyTuple_GET_ITEM(direct, 7), *constants = PyTuple_GET_ITEM(direct, 8);
+    Py_ssize_t count = PyTuple_GET_SIZE(indices), pointer_count = PyTuple_GET_SIZE(pointers);
+    PyObject *call = PyTuple_New(9 + count);
+    if (call == NULL) return -1;
+    PyObject *stream = PyObject_CallOneArg(current_stream, device_index);
+    if (stream == NULL) { Py_DECREF(call); return -1; }
+    PyTuple_SET_ITEM(call, 0, Py_NewRef(PyTuple_GET_ITEM(direct, 1)));
+    PyTuple_SET_ITEM(call, 1, Py_NewRef(PyTuple_GET_ITEM(direct, 2)));
+    PyTuple_SET_ITEM(call, 2, Py_NewRef(PyTuple_GET_ITEM(direct, 3)));
+    PyTuple_SET_ITEM(call, 3, stream);
+    PyTuple_SET_ITEM(call, 4, Py_NewRef(PyTuple_GET_ITEM(direct, 5)));
+    PyTuple_SET_ITEM(call, 5, Py_NewRef(PyTuple_GET_ITEM(direct, 6)));
+    for (int i = 6; i < 9; i++) PyTuple_SET_ITEM(call, i, Py_NewRef(Py_None));
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, i));
+        PyObject *value = at < pointer_count ? PyTuple_GET_ITEM(pointers, at) : PyTuple_GET_ITEM(constants, at - pointer_count);
+        PyTuple_SET_ITEM(call, 9 + i, Py_NewRef(value));
+    }
+    PyObject *launched = PyObject_Call(PyTuple_GET_ITEM(direct, 0), call, NULL);
+    Py_DECREF(call);
+    if (launched == NULL) return -1;
+    Py_DECREF(launched);
+    return 1;
+}
+
+static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "cached_call(op, arguments: tuple, backend)");
+        return NULL;
+    }
+    if (selector_globals == NULL) return Py_NewRef(Py_NotImplemented);
+    PyObject *op = args[0], *arguments = args[1];
+    PyObject *result = NULL, *stack = NULL, *state = NULL, *flag = NULL, *grad = NULL, *device = NULL,
+             *name = NULL, *scalars_of = NULL, *scalars = NULL, *types = NULL, *shape = NULL, *key = NULL,
+             *plans = NULL, *by_key = NULL, *entries = NULL, *found = NULL, *outputs_of = NULL,
+             *outputs = NULL, *values = NULL, *pointers = NULL, *done_launch = NULL, *direct = NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(arguments);
+    if (args[2] != Py_None || count == 0) NOT_HERE;
+
+    PyObject *scopes = PyDict_GetItemWithError(selector_globals, n_scopes); /* borrowed */
+    if (scopes == NULL || (stack = PyObject_GetAttr(scopes, n_stack)) == NULL) NOT_HERE;
+    if (PyObject_Length(stack) != 0) NOT_HERE;
+    state = Py_XNewRef(PyDict_GetItemWithError(selector_globals, n_dispatcher));
+    if (state == NULL || state == Py_None) NOT_HERE;
+    if ((flag = PyObject_GetAttr(state, n_env_forced)) == NULL || PyObject_IsTrue(flag) != 0) NOT_HERE;
+
+    if ((grad = PyObject_CallNoArgs(grad_enabled)) == NULL) goto done;
+    if ((device = PyObject_GetAttr(simulation, n_device)) == NULL) NOT_HERE;
+    if ((name = PyObject_GetAttr(op, n_name)) == NULL || (scalars_of = PyObject_GetAttr(op, n_scalars)) == NULL)
+        goto done;
+    if ((scalars = PyObject_CallOneArg(scalars_of, arguments)) == NULL) NOT_HERE;
+    if ((types = PyTuple_New(count)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyTuple_SET_ITEM(types, i, Py_NewRef((PyObject *)Py_TYPE(PyTuple_GET_ITEM(arguments, i))));
+    if ((shape = PyObject_GetAttr(PyTuple_GET_ITEM(arguments, 0), n_shape)) == NULL) NOT_HERE;
+    /* selector.signature_key: (op, forced backend, grad mode, simulated device, types, scalars, shape) */
+    if ((key = PyTuple_Pack(7, name, Py_None, grad, device, types, scalars, shape)) == NULL) goto done;
+
+    if ((plans = PyObject_GetAttr(state, n_plans)) == NULL || (by_key = PyObject_GetAttr(plans, n_by_key)) == NULL)
+        goto done;
+    entries = Py_XNewRef(PyDict_GetItemWithError(by_key, key));
+    if (entries == NULL) NOT_HERE; /* no plan, or an unhashable scalar */
+    if ((found = search(entries, arguments)) == NULL) NOT_HERE; /* ops.py's path catches these too */
+    if (found == Py_None) NOT_HERE;
+
+    /* ops.Plan is (implementation, launch, check_values, direct); found is (plan, pointers) */
+    PyObject *plan = PyTuple_GET_ITEM(found, 0), *read = PyTuple_GET_ITEM(found, 1);
+    PyObject *check = PyTuple_GET_ITEM(plan, 2), *launch = PyTuple_GET_ITEM(plan, 1);
+    if (check != Py_None) {
+        PyObject *checked = PyObject_CallFunctionObjArgs(check, arguments, read, NULL);
+        if (checked == NULL) goto done; /* a ValueError of the per-call checks */
+        Py_DECREF(checked);
+    }
+    if ((outputs_of = PyObject_GetAttr(op, n_outputs)) == NULL || (outputs = PyObject_Call(outputs_of, arguments, NULL)) == NULL)
+        goto done;
+    Py_ssize_t read_count = PyTuple_GET_SIZE(read), output_count = PyTuple_GET_SIZE(outputs);
+    if ((pointers = PyTuple_New(read_count + output_count)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < read_count; i++) PyTuple_SET_ITEM(pointers, i, Py_NewRef(PyTuple_GET_ITEM(read, i)));
+    for (Py_ssize_t i = 0; i < output_count; i++) {
+        PyObject *output = PyTuple_GET_ITEM(outputs, i);
+        PyObject *pointer = PyObject_VectorcallMethod(data_ptr_name, &output, 1, NULL);
+        if (pointer == NULL) goto done;
+        PyTuple_SET_ITEM(pointers, read_count + i, pointer);
+    }
+    direct = Py_NewRef(PyTuple_GET_ITEM(plan, 3));
+    int launched = direct != Py_None ? launch_direct(direct, pointers) : 0;
+    if (launched < 0) goto done;
+    if (!launched) {
+        if ((values = PySequence_Concat(arguments, outputs)) == NULL) goto done;
+        if ((done_launch = PyObject_CallFunctionObjArgs(launch, values, pointers, NULL)) == NULL) goto done;
+    }
+    result = Py_NewRef(outputs);
+done:
+    Py_XDECREF(stack); Py_XDECREF(state); Py_XDECREF(flag); Py_XDECREF(grad); Py_XDECREF(device);
+    Py_XDECREF(name); Py_XDECREF(scalars_of); Py_XDECREF(scalars); Py_XDECREF(types); Py_XDECREF(shape);
+    Py_XDECREF(key); Py_XDECREF(plans); Py_XDECREF(by_key); Py_XDECREF(entries); Py_XDECREF(found);
+    Py_XDECREF(outputs_of); Py_XDECREF(outputs); Py_XDECREF(values); Py_XDECREF(pointers);
+    Py_XDECREF(done_launch); Py_XDECREF(direct);
+    return result;
+}
+
+/* configure_cached_call(selector module globals, device._simulation, torch.is_grad_enabled,
+ * the current device's index getter, the current raw stream getter) */
+static PyObject *configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "configure_cached_call(selector globals: dict, simulation, "
+                        "is_grad_enabled, current_device, current_stream)");
+        return NULL;
+    }
+    Py_XSETREF(selector_globals, Py_NewRef(args[0]));
+    Py_XSETREF(simulation, Py_NewRef(args[1]));
+    Py_XSETREF(grad_enabled, Py_NewRef(args[2]));
+    Py_XSETREF(current_device, Py_NewRef(args[3]));
+    Py_XSETREF(current_stream, Py_NewRef(args[4]));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"find", (PyCFunction)(void (*)(void))find, METH_FASTCALL,
      "find(by_key, key, arguments) -> (plan, pointers) or None: PlanTable.find (signature.py)."},
+    {"cached_call", (PyCFunction)(void (*)(void))cached_call, METH_FASTCALL,
+     "cached_call(op, arguments, backend) -> outputs or NotImplemented: Op.run (ops.py) of a planned call."},
+    {"configure_cached_call", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
+     "configure_cached_call(selector globals, simulation, is_grad_enabled, current_device, current_stream)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -110,5 +273,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_plan_lookup", NULL,
 PyMODINIT_FUNC PyInit__plan_lookup(void) {
     data_ptr_name = PyUnicode_InternFromString("data_ptr");
     if (data_ptr_name == NULL) return NULL;
+    PyObject **names[] = {&n_scopes, &n_stack, &n_dispatcher, &n_env_forced, &n_plans, &n_by_key, &n_device,
+                          &n_name, &n_scalars, &n_outputs, &n_shape, &n_calls};
+    const char *texts[] = {"_scopes", "stack", "_dispatcher", "env_forced", "plans", "_by_key", "device",
+                           "name", "scalars", "outputs", "shape", "calls"};
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
+        if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return NULL;
     return PyModule_Create(&module);
 }

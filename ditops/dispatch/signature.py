@@ -31,10 +31,11 @@ from torch import Tensor
 
 from .features import MAX_ALIGNMENT
 
-try:  # PlanTable.find in C (plan_lookup.c), built when the package is installed
+try:  # PlanTable.find and a cached call in C (plan_lookup.c), built when the package is installed
+    from ._plan_lookup import cached_call, configure_cached_call
     from ._plan_lookup import find as _find_in_c
-except ImportError:  # pragma: no cover - a build without a C compiler runs the Python twin
-    _find_in_c = None
+except ImportError:  # pragma: no cover - a build without a C compiler runs the Python twins
+    _find_in_c = cached_call = configure_cached_call = None
 
 try:  # private to Dynamo, public in its use there since torch 2.1
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
