@@ -1,6 +1,6 @@
-"""The one compiled part of the package: the plan lookup of a cached call
-(ditops/dispatch/plan_lookup.c). Optional: where it does not build, its Python twin runs."""
+"""The one compiled part of the package: a cached call's path in C
+(ditops/dispatch/cached_call.c). Optional: where it does not build, its Python twins run."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("ditops.dispatch._plan_lookup", ["ditops/dispatch/plan_lookup.c"], optional=True)])
+setup(ext_modules=[Extension("ditops.dispatch._cached_call", ["ditops/dispatch/cached_call.c"], optional=True)])

@@ -269,8 +269,9 @@ def table(path: Path) -> str:
     rows = json.loads(path.read_text())["rows"]
     eager = {(row["op"], row["candidate"]): row["host_us"] for row in rows if row["mode"] == "eager"}
     ops = list(dict.fromkeys(op for op, _ in eager))
-    lines = ["| op | ditops (us) | bare launch (us) | ditops / bare | bare launch, pointers (us) | ditops / bare, pointers "
-             "| unfused eager (us) |", "|---|---|---|---|---|---|---|"]
+    lines = [] if not ops else [
+        "| op | ditops (us) | bare launch (us) | ditops / bare | bare launch, pointers (us) | ditops / bare, pointers "
+        "| unfused eager (us) |", "|---|---|---|---|---|---|---|"]
     for op in ops:
         ditops, bare, pointers, unfused = (eager.get((op, c)) for c in
                                            ("ditops", "bare_launch", "bare_launch_pointers", "unfused_eager"))
@@ -279,7 +280,7 @@ def table(path: Path) -> str:
         lines.append(f"| `{op}` | {cells[0]} | {cells[1]} | {ratios[0]} | {cells[2]} | {ratios[1]} | {cells[3]} |")
     compiled = {(row["op"], row["tokens"], row["candidate"]): row for row in rows if row["mode"] == "compiled"}
     if compiled:
-        lines += ["", "| op | S | ditops (ms) | Inductor unfused (ms) | ditops / Inductor | kernels (ditops / Inductor) |",
+        lines += [""] * bool(lines) + ["| op | S | ditops (ms) | Inductor unfused (ms) | ditops / Inductor | kernels (ditops / Inductor) |",
                   "|---|---|---|---|---|---|"]
         for (op, tokens, candidate), row in compiled.items():
             if candidate == "ditops":

@@ -16,6 +16,9 @@ An eager call of an op:
 4. allocates the outputs and launches on the tensors' device and its current stream.
 Everything a plan assumes is in its key, so a call that would fail validation never finds
 a plan: it builds one, and fails there. The plan table is bounded and shared by threads.
+A call whose plan exists and that no override touches runs steps 1-4 in C
+(dispatch/cached_call.c, which also issues a bound Triton launch itself); ``Op.run`` below is
+the same path in Python, which builds plans, serves overrides and raises every error.
 
 Under torch.compile the public functions emit graph nodes instead (``Op.__call__``), and
 Dynamo reads nothing of the registry. An op on a GPU becomes ``<op>_traced``, a functional
@@ -77,7 +80,7 @@ class Plan(NamedTuple):
     implementation: Optional[Implementation]
     launch: Callable[[tuple, tuple], None]
     check_values: Optional[Callable] = None  # (arguments, pointers): the checks that read pointers or values, every call
-    direct: Optional[tuple] = None  # a bound Triton launch as data, which dispatch/plan_lookup.c issues from C
+    direct: Optional[tuple] = None  # a bound Triton launch as data, which dispatch/cached_call.c issues from C
 
 
 def _nothing(values: tuple, pointers: tuple) -> None:
@@ -167,7 +170,7 @@ class Op:
 
     def __call__(self, arguments: tuple, backend: Optional[str]) -> tuple:
         if not _is_compiling():
-            if _cached_call is not None:  # run() in C for a call whose plan exists (dispatch/plan_lookup.c)
+            if _cached_call is not None:  # run() in C for a call whose plan exists (dispatch/cached_call.c)
                 outputs = _cached_call(self, arguments, backend)
                 if outputs is not NotImplemented:
                     return outputs

@@ -99,8 +99,8 @@ def test_the_python_guard_agrees_with_tensor_guards(variant):
     assert dispatch.signature._python_guard(tensors)(*changed) == verdict == (variant == "same")
 
 
-@pytest.mark.skipif(dispatch.signature._find_in_c is None, reason="the C plan lookup (plan_lookup.c) was not built")
-def test_the_c_plan_lookup_agrees_with_its_python_twin():
+@pytest.mark.skipif(dispatch.signature._find_in_c is None, reason="the C plan lookup (cached_call.c) was not built")
+def test_the_c_cached_call_agrees_with_its_python_twin():
     """Plans for an aligned call, a call 4 bytes off and one without a weight; probes that hit
     each, miss by alignment class, shape, dtype or key, and one more plan under a key."""
     base = torch.randn(2 * 5 * 64 + 8)
@@ -125,6 +125,32 @@ def test_the_c_plan_lookup_agrees_with_its_python_twin():
     assert dispatch.signature._find_in_c(table._by_key, ("other",), call()) is None
     with pytest.raises(TypeError):
         dispatch.signature._find_in_c(table._by_key, ("unhashable", []), call())
+
+
+@pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
+def test_a_cached_call_runs_in_c_and_an_override_in_python(monkeypatch):
+    """Op.run (Python) builds the plan; later calls with no override run in C with the same
+    result; backend= and use_backend send the call back to Op.run, which obeys them."""
+    runs = []
+    original = ops.Op.run
+    monkeypatch.setattr(ops.Op, "run", lambda self, arguments, backend: runs.append(backend) or original(self, arguments, backend))
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    first = ditops.norm_scale_shift(**arguments)
+    second = ditops.norm_scale_shift(**dict(arguments, x=arguments["x"].clone()))
+    assert runs == [None]
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    ditops.norm_scale_shift(**arguments, backend="reference")
+    with ditops.use_backend("reference"):
+        ditops.norm_scale_shift(**arguments)
+    assert runs == [None, "reference", None]
+    q_and_k = example_arguments("rope_", (6, 2, 32), torch.float32)
+    q_and_k["k"] = torch.randn_like(q_and_k["q"])
+    ditops.rope_(**q_and_k)
+    calls = len(runs)
+    base = torch.randn(7 * 64)  # q and k overlapping by 5 of their 6 tokens: the same signature as above
+    with pytest.raises(ValueError, match="shares memory"):  # the per-call checks run in C's path too
+        ditops.rope_(**dict(q_and_k, q=base[:384].view(6, 2, 32), k=base[64:].view(6, 2, 32)))
+    assert len(runs) == calls
 
 
 def test_a_changed_override_builds_a_new_plan_and_is_obeyed(counted_checks, monkeypatch):

@@ -31,9 +31,9 @@ from torch import Tensor
 
 from .features import MAX_ALIGNMENT
 
-try:  # PlanTable.find and a cached call in C (plan_lookup.c), built when the package is installed
-    from ._plan_lookup import cached_call, configure_cached_call
-    from ._plan_lookup import find as _find_in_c
+try:  # PlanTable.find and a cached call in C (cached_call.c), built when the package is installed
+    from ._cached_call import cached_call, configure_cached_call
+    from ._cached_call import find as _find_in_c
 except ImportError:  # pragma: no cover - a build without a C compiler runs the Python twins
     _find_in_c = cached_call = configure_cached_call = None
 
@@ -118,7 +118,7 @@ class PlanTable:
         return self.find_in_python(signature_key, arguments)
 
     def find_in_python(self, signature_key: tuple, arguments: tuple):
-        """``find``'s Python twin (plan_lookup.c is the other): the same entries, the same answer."""
+        """``find``'s Python twin (cached_call.c is the other): the same entries, the same answer."""
         # Each entry: (the tensor arguments' positions, the same as an itemgetter, TensorGuards'
         # check, whether every pointer was aligned, each pointer modulo MAX_ALIGNMENT, the plan).
         for _, tensors_of, check, aligned, low_bits, plan in self._by_key.get(signature_key, ()):

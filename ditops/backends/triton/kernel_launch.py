@@ -102,7 +102,7 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
         else:
             c_launcher(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *arguments)
 
-    # The same launch as data, for dispatch/plan_lookup.c to issue from C when this device is
+    # The same launch as data, for dispatch/cached_call.c to issue from C when this device is
     # current and no launch hook is set (else it calls this launcher).
     launcher.direct = (c_launcher, grid_x, grid_y, grid_z, device_index, function, metadata, tuple(indices),
                        constants, hooks)

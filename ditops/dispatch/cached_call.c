@@ -1,15 +1,22 @@
-/* PlanTable.find of signature.py in C: the part of a cached ditops call that runs on every
- * call and costs most in Python (a dict lookup, then per plan under the key the tensor guard,
- * each tensor's data pointer and its alignment class). Same entries, same answer; signature.py
- * holds the Python twin, used where this module was not built, and the tests run both.
+/* A cached ditops call in C: Op.run of ops.py for a call whose launch plan exists (the
+ * common case: every call of a model's forward after the first), where Python's frames and
+ * attribute reads were most of the host time above the kernel launch.
  *
- * find(by_key, key, arguments) -> (plan, pointers) or None
- *   by_key: dict key -> tuple of entries
- *     (positions, tensors_of, check, aligned, low_bits, plan):
+ * cached_call(op, arguments, backend) -> the op's outputs, or NotImplemented: the call
+ *   signature's key (selector.signature_key), the plan (find below), the plan's per-call
+ *   checks, the outputs, and the launch: a Triton launch bound by kernel_launch.bind is
+ *   issued from here (the plan's ``direct``), any other through the plan's Python launcher.
+ *   NotImplemented (an override in force, no plan yet, an argument the key cannot hold)
+ *   sends the call down ops.py's Python path, which builds the plan or raises.
+ * find(by_key, key, arguments) -> (plan, pointers) or None: PlanTable.find of signature.py.
+ *   by_key: dict key -> tuple of entries (positions, tensors_of, check, aligned, low_bits, plan):
  *     positions: tuple of the tensor arguments' indices; tensors_of: the same as an itemgetter
  *     (the Python twin's); check(*tensors) -> bool (TensorGuards.check); aligned: whether every
  *     pointer was a multiple of 16 bytes; low_bits: tuple of each pointer modulo 16.
  *   pointers: tuple of the tensors' data pointers (ints), in argument order.
+ * Both have Python twins (Op.run, PlanTable.find_in_python) that run where this module was
+ * not built; the tests check that they agree. What this file reads of the Python side (the
+ * selector's module globals, ops.Plan's fields, Op's attributes) is named where it is read.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -31,14 +38,14 @@ static PyObject *search(PyObject *entries, PyObject *arguments) {
         PyObject *low_bits = PyTuple_GET_ITEM(entry, 4);
         Py_ssize_t count = PyTuple_GET_SIZE(positions);
         if (count > MAX_TENSORS) {
-            PyErr_SetString(PyExc_ValueError, "plan_lookup.find: more tensor arguments than it holds");
+            PyErr_SetString(PyExc_ValueError, "find: more tensor arguments than it holds");
             return NULL;
         }
         PyObject *tensors[MAX_TENSORS + 1];
         for (Py_ssize_t i = 0; i < count; i++) {
             Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, i));
             if (at < 0 || at >= argument_count) {
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "plan_lookup.find: argument position");
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "find: argument position");
                 return NULL;
             }
             tensors[i + 1] = PyTuple_GET_ITEM(arguments, at); /* borrowed; [0] is vectorcall's spare slot */
@@ -268,9 +275,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_plan_lookup", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cached_call", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__plan_lookup(void) {
+PyMODINIT_FUNC PyInit__cached_call(void) {
     data_ptr_name = PyUnicode_InternFromString("data_ptr");
     if (data_ptr_name == NULL) return NULL;
     PyObject **names[] = {&n_scopes, &n_stack, &n_dispatcher, &n_env_forced, &n_plans, &n_by_key, &n_device,
