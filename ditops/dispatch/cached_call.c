@@ -223,6 +223,10 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
     }
     if ((outputs_of = PyObject_GetAttr(op, n_outputs)) == NULL || (outputs = PyObject_Call(outputs_of, arguments, NULL)) == NULL)
         goto done;
+    if (!PyTuple_Check(outputs)) {
+        PyErr_SetString(PyExc_TypeError, "cached_call: an op's outputs(...) must return a tuple");
+        goto done;
+    }
     Py_ssize_t read_count = PyTuple_GET_SIZE(read), output_count = PyTuple_GET_SIZE(outputs);
     if ((pointers = PyTuple_New(read_count + output_count)) == NULL) goto done;
     for (Py_ssize_t i = 0; i < read_count; i++) PyTuple_SET_ITEM(pointers, i, Py_NewRef(PyTuple_GET_ITEM(read, i)));
