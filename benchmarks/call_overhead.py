@@ -143,17 +143,11 @@ def bare_launch(op: str, implementation, arguments: tuple, pointers: bool = Fals
             values = template.copy()
             for position, index in output_positions:
                 values[position] = new[index]
+            if pointers:
+                values = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in values]
             run(*grid, stream(device_index), function, metadata, None, None, None, *values)
 
-        def call_with_pointers():
-            new = spec.outputs(*arguments)
-            values = template.copy()
-            for position, index in output_positions:
-                values[position] = new[index]
-            values = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in values]
-            run(*grid, stream(device_index), function, metadata, None, None, None, *values)
-
-        return call_with_pointers if pointers else call
+        return call
     if implementation.name == "cuda" and not pointers:
         from ditops.backends import cuda
         from ditops.backends.compiled import PackedArguments

@@ -87,17 +87,19 @@ def _nothing(values: tuple, pointers: tuple) -> None:
     pass
 
 
-def _launcher(implementation: Implementation, values: tuple, device_index: int) -> Callable[[tuple, tuple], None]:
-    """The launch of a plan: pre-bound where the backend can (``function.bind``), else the
-    backend function. On a GPU it runs on the tensors' device whatever device is current
-    (the stream is that device's current one: the backends read it at launch)."""
+def _launcher(implementation: Implementation, values: tuple, device_index: int) -> tuple:
+    """``(launch, direct)`` of a plan: the launch pre-bound where the backend can
+    (``function.bind``), else the backend function; on a GPU it runs on the tensors' device
+    whatever device is current (the stream is that device's current one: the backends read
+    it at launch). ``direct``: the bound launcher's ``direct`` (a Triton launch as data,
+    kernel_launch.bind), or None."""
     function = implementation.function
     bind = getattr(function, "bind", None)
     call = bind(values, device_index) if device_index >= 0 and bind is not None else None
     if call is None:
         call = lambda values, pointers: function(*values)  # noqa: E731
     if device_index < 0:
-        return call
+        return call, None
 
     def on_device(values: tuple, pointers: tuple) -> None:
         if _current_device() == device_index:
@@ -106,8 +108,7 @@ def _launcher(implementation: Implementation, values: tuple, device_index: int) 
             with torch.cuda.device(device_index):
                 call(values, pointers)
 
-    on_device.direct = getattr(call, "direct", None)
-    return on_device
+    return on_device, getattr(call, "direct", None)
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,8 @@ class Op:
             check(arguments, data_pointers(arguments))
         values = arguments + self.outputs(*arguments)
         device_index = values[0].get_device()
-        launch = _launcher(implementation, values, device_index)
-        return Plan(implementation, launch, check, getattr(launch, "direct", None))
+        launch, direct = _launcher(implementation, values, device_index)
+        return Plan(implementation, launch, check, direct)
 
     def run(self, arguments: tuple, backend: Optional[str]) -> tuple:
         """The eager path: what the registered op does too."""

@@ -364,10 +364,18 @@ def test_a_plan_launches_on_the_tensors_device_whatever_device_is_current(monkey
         events.append(("launch", values))
 
     if bound:
-        function.bind = lambda values, device_index: (lambda values, pointers: events.append(("launch", values, device_index)))
+        def bind(values, device_index):
+            def launcher(values, pointers):
+                events.append(("launch", values, device_index))
+
+            launcher.direct = ("a bound launch as data",)
+            return launcher
+
+        function.bind = bind
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(ops, "_current_device", lambda: current[0])
-    launch = ops._launcher(types.SimpleNamespace(function=function), ("x",), 1)
+    launch, direct = ops._launcher(types.SimpleNamespace(function=function), ("x",), 1)
+    assert direct == (("a bound launch as data",) if bound else None)  # what the C path issues itself
 
     launch(("x",), ())
     assert [event[0] for event in events] == ["enter", "launch", "exit"] and events[0] == ("enter", 1)

@@ -116,7 +116,7 @@ static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * cannot hold) sends the call down ops.py's path, which builds the plan or raises. */
 static PyObject *selector_globals, *simulation, *grad_enabled, *current_device, *current_stream; /* configure */
 static PyObject *n_scopes, *n_stack, *n_dispatcher, *n_env_forced, *n_plans, *n_by_key, *n_device,
-    *n_name, *n_scalars, *n_outputs, *n_shape, *n_calls;
+    *n_name, *n_scalars, *n_outputs, *n_shape, *n_calls, *n_enter_hook, *n_exit_hook;
 
 #define NOT_HERE do { PyErr_Clear(); result = Py_NewRef(Py_NotImplemented); goto done; } while (0)
 
@@ -142,8 +142,8 @@ static int launch_direct(PyObject *direct, PyObject *pointers) {
     Py_DECREF(current);
     if (same <= 0) return same;
     PyObject *knobs = PyTuple_GET_ITEM(direct, 9);
-    PyObject *enter = PyObject_GetAttrString(knobs, "launch_enter_hook");
-    PyObject *exit_ = PyObject_GetAttrString(knobs, "launch_exit_hook");
+    PyObject *enter = PyObject_GetAttr(knobs, n_enter_hook);
+    PyObject *exit_ = PyObject_GetAttr(knobs, n_exit_hook);
     int any_hook = enter == NULL || exit_ == NULL || hooked(enter) || hooked(exit_);
     Py_XDECREF(enter); Py_XDECREF(exit_);
     PyErr_Clear();
@@ -285,9 +285,9 @@ PyMODINIT_FUNC PyInit__cached_call(void) {
     data_ptr_name = PyUnicode_InternFromString("data_ptr");
     if (data_ptr_name == NULL) return NULL;
     PyObject **names[] = {&n_scopes, &n_stack, &n_dispatcher, &n_env_forced, &n_plans, &n_by_key, &n_device,
-                          &n_name, &n_scalars, &n_outputs, &n_shape, &n_calls};
+                          &n_name, &n_scalars, &n_outputs, &n_shape, &n_calls, &n_enter_hook, &n_exit_hook};
     const char *texts[] = {"_scopes", "stack", "_dispatcher", "env_forced", "plans", "_by_key", "device",
-                           "name", "scalars", "outputs", "shape", "calls"};
+                           "name", "scalars", "outputs", "shape", "calls", "launch_enter_hook", "launch_exit_hook"};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
         if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return NULL;
     return PyModule_Create(&module);
