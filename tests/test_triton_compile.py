@@ -81,10 +81,9 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def early_loads_below(rows: int):
-    """The row kernels' launch table with early_loads_max_rows set to rows for every vendor
-    (conformance cases are all short calls: 0 gives them the long calls' load order)."""
-    settings = {**launch._settings(), "early_loads_max_rows": {"cuda": rows, "rocm": rows}}
+def launch_table(**changes):
+    """The launch table with some of its top-level entries replaced."""
+    settings = {**launch._settings(), **changes}
     original, launch._settings = launch._settings, lambda: settings
     try:
         yield
@@ -107,6 +106,13 @@ def _launch_every_case(dtypes=conformance.DTYPES, ops=OPS, device="cpu"):
             yield case, dtype, outputs
 
 
+def row_loop_everywhere(programs_per_sm: int, stages: int) -> dict:
+    """Launch-table entries giving every row kernel a row loop on every device (launch.row_grid)."""
+    return {kernel: {owner: [dict(entry, row_loop=dict(programs_per_sm=programs_per_sm, stages=stages, max_rows=2**62)) for entry in entries]
+                     for owner, entries in launch._settings()[kernel].items()}
+            for kernel in ("modulated_norm", "selected_modulation_norm", "gated_add_norm")}
+
+
 @functools.lru_cache(maxsize=None)
 def specializations(vendor: str) -> tuple:
     found: set = set()
@@ -115,8 +121,10 @@ def specializations(vendor: str) -> tuple:
         for name, kernel in originals.items():
             setattr(triton_backend, name, _Recorder(kernel, found))
         with simulated_device(SIMULATED[vendor]):
-            for early_loads in (contextlib.nullcontext(), early_loads_below(0)):
-                with early_loads:
+            # as tabled; with the long calls' load order (conformance cases are all short calls);
+            # with a row loop (pipelined, modulation hoisted) on every row kernel
+            for table in ({}, dict(early_loads_max_rows={"cuda": 0, "rocm": 0}), row_loop_everywhere(2, 3)):
+                with launch_table(**table):
                     for _ in _launch_every_case():
                         pass
     finally:
@@ -130,7 +138,7 @@ def test_every_kernel_and_option_is_exercised():
     assert {kernel for kernel, *_ in found} == set(KERNELS)
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
-                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS"):
+                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
@@ -226,11 +234,50 @@ def test_early_loads_change_no_result():
     on_gpu = torch.cuda.is_available()
     dtypes = conformance.DTYPES if on_gpu else (torch.float32,)
     with contextlib.nullcontext() if on_gpu else simulated_device("sm_90"):
-        with early_loads_below(2**62):
+        with launch_table(early_loads_max_rows={"cuda": 2**62, "rocm": 2**62}):
             early = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
-        with early_loads_below(0):
+        with launch_table(early_loads_max_rows={"cuda": 0, "rocm": 0}):
             late = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
     assert len(early) == len(late) > 0
     for (case, dtype, first), (_, _, second) in zip(early, late):
         for a, b in zip(first, second):
             assert conformance._bitwise_equal(a, b), (case.id, dtype)
+
+
+def test_a_row_loop_changes_no_result(monkeypatch):
+    """Where a row kernel loops over blocks of rows with the modulation loaded once
+    (launch.row_grid: fewer programs, Triton pipelining the loop's loads), every row is computed
+    by the same operations as with one program per block: the same bits on every row-op
+    conformance case. On the CPU one simulated multiprocessor runs one program per batch item
+    over all of its blocks; on a GPU the compiled kernels run in every dtype."""
+    on_gpu = torch.cuda.is_available()
+    dtypes = conformance.DTYPES if on_gpu else (torch.float32, torch.bfloat16)
+    looped = []
+
+    def recording(row_launch, x, batch, tokens, invariant):
+        grid = launch.row_grid(row_launch, x, batch, tokens, invariant)
+        looped.append(grid.hoist and grid.grid[0] < -(-tokens // row_launch.rows_per_program))
+        return grid
+
+    with contextlib.nullcontext() if on_gpu else simulated_device("sm_90"):
+        plain = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
+        monkeypatch.setattr(triton_backend, "row_grid", recording)
+        with launch_table(**row_loop_everywhere(1, 2)):
+            loop = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
+    assert any(looped), "no case looped over more than one block"
+    assert len(plain) == len(loop) > 0
+    for (case, dtype, first), (_, _, second) in zip(plain, loop):
+        for a, b in zip(first, second):
+            assert conformance._bitwise_equal(a, b), (case.id, dtype)
+
+
+def test_row_grid_loops_only_over_invariant_modulation():
+    looped = launch.RowLaunch(1024, 1, 4, 1, False, programs_per_sm=4, stages=3)
+    plain = looped._replace(programs_per_sm=0)
+    x = torch.empty(0)  # a CPU tensor counts one multiprocessor
+    assert launch.row_grid(plain, x, 2, 100, True) == launch.RowGrid((100, 2), False, 1)
+    assert launch.row_grid(looped, x, 2, 100, False) == launch.RowGrid((100, 2), False, 1)
+    assert launch.row_grid(looped, x, 2, 100, True) == launch.RowGrid((2, 2), True, 3)  # 4 programs over 2 items
+    assert launch.row_grid(looped, x, 1, 3, True) == launch.RowGrid((3, 1), True, 3)  # never more than the blocks
+    with pytest.raises(ValueError, match="x: got 65536 batch items"):
+        launch.row_grid(plain, x, 65536, 1, False)

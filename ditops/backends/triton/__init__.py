@@ -16,7 +16,7 @@ from ...dispatch.device import DeviceInfo
 from ..views import modulation, rows_of, tokens_of
 from .gated_add_norm import gated_add_norm_kernel
 from .kernel_launch import KernelLaunch, bind, run, trace
-from .launch import rotary_launch, row_launch, settings_of
+from .launch import rotary_launch, row_grid, row_launch, settings_of
 from .modulated_norm import modulated_norm_kernel
 from .rotary import rotary_kernel
 from .selected_modulation_norm import selected_modulation_norm_kernel
@@ -30,26 +30,28 @@ def available(device: DeviceInfo) -> Optional[str]:
     return "Triton kernels run on NVIDIA and AMD GPUs (on CPU tensors: TRITON_INTERPRET=1 and a simulated device)"
 
 
-def _grid(rows: int, rows_per_program: int) -> tuple:
-    return ((rows + rows_per_program - 1) // rows_per_program,)
+def _invariant(*modulations: tuple) -> bool:
+    """Whether modulation views (views.modulation) are the same for every token of a batch item."""
+    return all(group_stride == 0 for _, _, group_stride, _, _ in modulations)
 
 
 def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
-    rows = shape.batch * shape.tokens
-    launch = row_launch("modulated_norm", rows, shape.hidden, settings_of(x))
-    return KernelLaunch(modulated_norm_kernel, _grid(rows, launch.rows_per_program), (
+    launch = row_launch("modulated_norm", shape.batch * shape.tokens, shape.hidden, settings_of(x))
+    modulations = [modulation(t, shape.tokens) for t in (gate, scale, shift)]
+    grid = row_grid(launch, x, shape.batch, shape.tokens, _invariant(*modulations))
+    return KernelLaunch(modulated_norm_kernel, grid.grid, (
         x, shape.batch_stride, shape.token_stride,
         residual, residual_rows.batch_stride, residual_rows.token_stride,
-        *modulation(gate, shape.tokens), *modulation(scale, shape.tokens), *modulation(shift, shape.tokens),
+        *modulations[0], *modulations[1], *modulations[2],
         weight, bias, y, residual_out,
-        rows, shape.tokens, shape.hidden, eps,
+        shape.tokens, shape.hidden, eps,
     ), dict(
         RMS=norm == "rms", HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
-        EARLY_LOADS=launch.early_loads, num_warps=launch.num_warps,
+        EARLY_LOADS=launch.early_loads, HOIST=grid.hoist, STAGES=grid.stages, num_warps=launch.num_warps,
     ))
 
 
@@ -65,17 +67,17 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
     gate_rows = rows_of(residual_gate) if residual_gate is not None else shape
-    rows = shape.batch * shape.tokens
-    launch = row_launch("selected_modulation_norm", rows, shape.hidden, settings_of(x))
+    launch = row_launch("selected_modulation_norm", shape.batch * shape.tokens, shape.hidden, settings_of(x))
     per_batch = [argument for t in modulations for argument in (t, t.stride(0) if t.shape[0] > 1 else 0)]
-    return KernelLaunch(selected_modulation_norm_kernel, _grid(rows, launch.rows_per_program), (
+    grid = row_grid(launch, x, shape.batch, shape.tokens, False)  # chosen per token: nothing to hoist
+    return KernelLaunch(selected_modulation_norm_kernel, grid.grid, (
         x, shape.batch_stride, shape.token_stride,
         residual, residual_rows.batch_stride, residual_rows.token_stride,
         residual_gate, gate_rows.batch_stride, gate_rows.token_stride,
         index, index.stride(0), index.stride(1),
         *per_batch,
         weight, bias, y, residual_out, gate_out,
-        rows, shape.tokens, shape.hidden, eps,
+        shape.tokens, shape.hidden, eps,
     ), dict(
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
@@ -98,20 +100,21 @@ def residual_norm_scale_shift_select_launch(
 def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
     shape = rows_of(x)
     branch_rows = rows_of(branch)
-    rows = shape.batch * shape.tokens
-    launch = row_launch("gated_add_norm", rows, shape.hidden, settings_of(x))
-    return KernelLaunch(gated_add_norm_kernel, _grid(rows, launch.rows_per_program), (
+    launch = row_launch("gated_add_norm", shape.batch * shape.tokens, shape.hidden, settings_of(x))
+    modulations = [modulation(t, shape.tokens) for t in (gate, scale)]
+    grid = row_grid(launch, x, shape.batch, shape.tokens, _invariant(*modulations))
+    return KernelLaunch(gated_add_norm_kernel, grid.grid, (
         x, shape.batch_stride, shape.token_stride,
         branch, branch_rows.batch_stride, branch_rows.token_stride,
-        *modulation(gate, shape.tokens), *modulation(scale, shape.tokens),
+        *modulations[0], *modulations[1],
         weight, bias, weight2, bias2, out, y,
-        rows, shape.tokens, shape.hidden, eps,
+        shape.tokens, shape.hidden, eps,
     ), dict(
         RMS=norm == "rms", TANH_GATE=gate_act == "tanh", HAS_SCALE=scale is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_WEIGHT2=weight2 is not None, HAS_BIAS2=bias2 is not None,
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
-        EARLY_LOADS=launch.early_loads, num_warps=launch.num_warps,
+        EARLY_LOADS=launch.early_loads, HOIST=grid.hoist, STAGES=grid.stages, num_warps=launch.num_warps,
     ))
 
 

@@ -49,20 +49,65 @@ class RowLaunch(NamedTuple):
     num_warps: int
     rows_per_program: int
     early_loads: bool  # every load issued before the first store (row_math.py)
+    programs_per_sm: int  # a row loop (row_loop below) of this many programs per SM; 0: none
+    stages: int  # how many blocks of rows a row loop's loads run ahead, plus one
 
 
 def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     """Settings of a row kernel ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
     for rows of D = hidden on a device whose settings are owners' (settings_of). num_warps and
     rows_per_program, which set how a row is reduced, depend on D and the device alone;
-    early_loads, which only reorders loads, also on the number of rows."""
+    early_loads and the row loop (row_grid), which only reorder loads and programs, also on
+    the number of rows."""
     block = _power_of_two_at_most(hidden)
     tail = triton.next_power_of_2(hidden - block) if hidden > block else 1
     early_loads = rows <= _entry("early_loads_max_rows", owners)
     for entry in _entry(kernel, owners):
         if hidden <= entry["max_hidden"]:
-            return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads)
+            loop = entry.get("row_loop")
+            if loop is None or rows > loop["max_rows"]:
+                return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads, 0, 1)
+            return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads,
+                             loop["programs_per_sm"], loop["stages"])
     raise ValueError(f"no Triton launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
+
+
+class RowGrid(NamedTuple):
+    grid: tuple  # (programs per batch item, batch items)
+    hoist: bool  # the modulation loaded once per program, before its loop over blocks
+    stages: int
+
+
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+def row_grid(launch: RowLaunch, x: torch.Tensor, batch: int, tokens: int, invariant: bool) -> RowGrid:
+    """How a row kernel's programs cover batch x tokens rows. By default a program per block of
+    rows_per_program tokens. Where the launch table gives the kernel a row loop on this device
+    and the modulation is the same for every token of a batch item (``invariant``: per-batch
+    vectors, as in FLUX, Wan and Qwen-Image), programs_per_sm programs per SM, split over the
+    batch items, each loop over blocks of rows with the modulation loaded once and held in
+    registers, while Triton pipelines the loop's loads ``stages`` deep through shared memory
+    (tl.range num_stages: the next blocks' rows are in flight while one is reduced). Every row
+    is computed by the same operations either way, so the grid never changes a result."""
+    if batch > MAX_GRID_Y:
+        raise ValueError(f"x: got {batch} batch items; the Triton row kernels take at most {MAX_GRID_Y}")
+    blocks = -(-tokens // launch.rows_per_program)
+    if not (launch.programs_per_sm and invariant):
+        return RowGrid((blocks, batch), False, 1)
+    programs = -(-launch.programs_per_sm * multiprocessors(x) // batch)
+    return RowGrid((min(blocks, programs), batch), True, launch.stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(t: torch.Tensor) -> int:
+    """SMs of t's GPU; one for a CPU tensor (Triton's interpreter on a simulated device), so that
+    a row loop runs over several blocks there."""
+    return _multiprocessors(t.device.index) if t.is_cuda else 1
 
 
 class RotaryLaunch(NamedTuple):

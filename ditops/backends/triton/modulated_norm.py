@@ -6,20 +6,18 @@ EARLY_LOADS every load of both tiles comes before the first store (row_math.py s
 import triton
 import triton.language as tl
 
-from .row_math import fold_affine, load_modulation, load_rows, normalize, row_tile, store_rows
+from .row_math import columns, fold_affine, load_modulation, load_rows, normalize, row_tile, store_rows
 
 
 @triton.jit
-def _residual_inputs(residual, residual_batch_stride, residual_token_stride,
-                     gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
-                     batch, token, columns, mask, HAS_GATE: tl.constexpr):
-    """(residual, gate) over one tile; the gate is 1 where there is none."""
-    previous = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, columns, mask)
+def _gate(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
+          batch, token, columns, mask, HAS_GATE: tl.constexpr):
+    """The residual gate over one tile; 1 where there is none."""
     gate_row = 1.0
     if HAS_GATE:
         gate_row = load_modulation(gate, batch, token, gate_batch_stride, gate_group_stride, gate_group_size,
                                    GATE_DIM_STRIDE, columns, mask)
-    return previous, gate_row
+    return gate_row
 
 
 @triton.jit
@@ -43,46 +41,68 @@ def modulated_norm_kernel(
     scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
     shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE: tl.constexpr,
     weight, bias, y, residual_out,
-    rows, tokens, hidden, eps,
+    tokens, hidden, eps,
     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
+    HOIST: tl.constexpr, STAGES: tl.constexpr,
 ):
-    head, head_mask, tail, tail_mask, row, batch, token = row_tile(rows, tokens, hidden, BLOCK, TAIL, ROWS_PER_PROGRAM)
-    v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
-    v_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
-    if HAS_RESIDUAL:
-        previous, gate_row = _residual_inputs(residual, residual_batch_stride, residual_token_stride,
-                                              gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                                              batch, token, head, head_mask, HAS_GATE)
-        if EARLY_LOADS:
-            previous_tail, gate_tail = _residual_inputs(
-                residual, residual_batch_stride, residual_token_stride,
-                gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                batch, token, tail, tail_mask, HAS_GATE)
-    if EARLY_LOADS:
+    batch = tl.program_id(1).to(tl.int64)
+    if HOIST:  # gate, scale and shift are the same for every token of the batch item: loaded once
+        first = tl.zeros([1, 1], dtype=tl.int64)
+        head, head_in, tail, tail_in = columns(hidden, BLOCK, TAIL)
+        gate_row = 1.0
+        gate_tail = 1.0
+        if HAS_GATE:
+            gate_row = load_modulation(gate, batch, first, gate_batch_stride, gate_group_stride, gate_group_size,
+                                       GATE_DIM_STRIDE, head, head_in)
+            gate_tail = load_modulation(gate, batch, first, gate_batch_stride, gate_group_stride, gate_group_size,
+                                        GATE_DIM_STRIDE, tail, tail_in)
         m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
                       shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
-                      batch, token, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+                      batch, first, head, head_in, HAS_WEIGHT, HAS_BIAS)
         m_tail, a_tail = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
                                 SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
-                                SHIFT_DIM_STRIDE, batch, token, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
-    if HAS_RESIDUAL:  # the sum is stored, and normalised as stored
-        v = store_rows(residual_out, row, hidden, previous + v * gate_row, head, head_mask)
-        if not EARLY_LOADS:
-            previous_tail, gate_tail = _residual_inputs(
-                residual, residual_batch_stride, residual_token_stride,
-                gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                batch, token, tail, tail_mask, HAS_GATE)
-        v_tail = store_rows(residual_out, row, hidden, previous_tail + v_tail * gate_tail, tail, tail_mask)
-    v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, RMS)
-    if not EARLY_LOADS:
-        m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
-                      shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
-                      batch, token, head, head_mask, HAS_WEIGHT, HAS_BIAS)
-    store_rows(y, row, hidden, v * m + a, head, head_mask)
-    if not EARLY_LOADS:
-        m_tail, a_tail = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
-                                SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
-                                SHIFT_DIM_STRIDE, batch, token, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
-    store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)
+                                SHIFT_DIM_STRIDE, batch, first, tail, tail_in, HAS_WEIGHT, HAS_BIAS)
+    for block in tl.range(tl.program_id(0), tl.cdiv(tokens, ROWS_PER_PROGRAM), tl.num_programs(0), num_stages=STAGES):
+        head, head_mask, tail, tail_mask, row, token = row_tile(block, batch, tokens, hidden, BLOCK, TAIL,
+                                                                ROWS_PER_PROGRAM)
+        v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
+        v_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
+        if HAS_RESIDUAL:
+            previous = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, head, head_mask)
+            if not HOIST:
+                gate_row = _gate(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                                 batch, token, head, head_mask, HAS_GATE)
+            if EARLY_LOADS or HOIST:
+                previous_tail = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, tail,
+                                          tail_mask)
+                if not HOIST:
+                    gate_tail = _gate(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                                      batch, token, tail, tail_mask, HAS_GATE)
+        if EARLY_LOADS and not HOIST:
+            m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
+                          SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
+                          SHIFT_DIM_STRIDE, batch, token, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+            m_tail, a_tail = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
+                                    SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
+                                    SHIFT_DIM_STRIDE, batch, token, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+        if HAS_RESIDUAL:  # the sum is stored, and normalised as stored
+            v = store_rows(residual_out, row, hidden, previous + v * gate_row, head, head_mask)
+            if not (EARLY_LOADS or HOIST):
+                previous_tail = load_rows(residual, batch, token, residual_batch_stride, residual_token_stride, tail,
+                                          tail_mask)
+                gate_tail = _gate(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                                  batch, token, tail, tail_mask, HAS_GATE)
+            v_tail = store_rows(residual_out, row, hidden, previous_tail + v_tail * gate_tail, tail, tail_mask)
+        v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, RMS)
+        if not (EARLY_LOADS or HOIST):
+            m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
+                          SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
+                          SHIFT_DIM_STRIDE, batch, token, head, head_mask, HAS_WEIGHT, HAS_BIAS)
+        store_rows(y, row, hidden, v * m + a, head, head_mask)
+        if not (EARLY_LOADS or HOIST):
+            m_tail, a_tail = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
+                                    SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
+                                    SHIFT_DIM_STRIDE, batch, token, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
+        store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)

@@ -1,4 +1,6 @@
-"""Pieces shared by the row kernels. A program holds ROWS rows (one token's D values each) in
+"""Pieces shared by the row kernels. The grid is (programs per batch item, batch items); a
+program loops over blocks of ROWS tokens of its batch item (row_tile), one block when the
+grid has one program per block. A block holds ROWS rows (one token's D values each) in
 registers, as two tiles: the head, columns [0, BLOCK) with BLOCK the largest power of two not
 above D, and the tail, columns [BLOCK, BLOCK + TAIL) masked at D. One tile padded to the next
 power of two would spend up to 37% of its registers and arithmetic on masked columns (D = 5120
@@ -26,15 +28,24 @@ import triton.language as tl
 
 
 @triton.jit
-def row_tile(rows, tokens, hidden, BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
-    """This program's rows: (head columns [1, BLOCK], head mask, tail columns [1, TAIL], tail
-    mask, row, batch, token [ROWS, 1]); masks are [ROWS, columns]."""
-    row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]
-    limit = tl.where(row < rows, hidden, 0)  # rows past the last one touch nothing
+def columns(hidden, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """The head columns [1, BLOCK] and tail columns [1, TAIL] of a row, each with its mask at D."""
     head = tl.arange(0, BLOCK)[None, :]
     tail = BLOCK + tl.arange(0, TAIL)[None, :]
-    addressed = tl.minimum(row, rows - 1)  # and address the last one, so one unmasked load per row stays in bounds
-    return head, head < limit, tail, tail < limit, row, addressed // tokens, addressed % tokens
+    return head, head < hidden, tail, tail < hidden
+
+
+@triton.jit
+def row_tile(block, batch, tokens, hidden, BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
+    """Rows of block ``block`` of batch item ``batch`` (ROWS_PER_PROGRAM tokens): (head columns,
+    head mask, tail columns, tail mask, output row, token); rows and tokens are [ROWS, 1],
+    masks [ROWS, columns]."""
+    token = (block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]).to(tl.int64)  # tokens < 2**31
+    limit = tl.where(token < tokens, hidden, 0)  # tokens past the last one touch nothing
+    head = tl.arange(0, BLOCK)[None, :]
+    tail = BLOCK + tl.arange(0, TAIL)[None, :]
+    addressed = tl.minimum(token, tokens - 1)  # and address the last one, so one unmasked load per row stays in bounds
+    return head, head < limit, tail, tail < limit, batch * tokens + token, addressed
 
 
 @triton.jit

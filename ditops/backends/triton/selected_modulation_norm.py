@@ -48,15 +48,19 @@ def selected_modulation_norm_kernel(
     scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
     scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
     weight, bias, y, residual_out, gate_out,
-    rows, tokens, hidden, eps,
+    tokens, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
 ):
-    head, head_mask, tail, tail_mask, row, batch, token = row_tile(rows, tokens, hidden, BLOCK, TAIL, ROWS_PER_PROGRAM)
+    # One block per program: the modulation is chosen per token, so a program looping over
+    # blocks (modulated_norm.py) would have nothing to keep from one block to the next.
+    batch = tl.program_id(1).to(tl.int64)
+    head, head_mask, tail, tail_mask, row, token = row_tile(tl.program_id(0), batch, tokens, hidden, BLOCK, TAIL,
+                                                            ROWS_PER_PROGRAM)
     v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
     v_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
-    last_row = tl.minimum(row, rows - 1)  # a step past the last row reads a valid index and stores nothing
-    selected = tl.load(index + (last_row // tokens) * index_batch_stride + (last_row % tokens) * index_token_stride) != 0
+    # a step past the last token reads the last one's index (row_tile) and stores nothing
+    selected = tl.load(index + batch * index_batch_stride + token * index_token_stride) != 0
     if HAS_RESIDUAL:
         previous, gate_row = _residual_inputs(residual, residual_batch_stride, residual_token_stride, residual_gate,
                                               residual_gate_batch_stride, residual_gate_token_stride,
