@@ -110,7 +110,7 @@ def row_loop_everywhere(programs_per_sm: int, stages: int) -> dict:
     """Launch-table entries giving every row kernel a row loop on every device (launch.row_grid)."""
     return {kernel: {owner: [dict(entry, row_loop=dict(programs_per_sm=programs_per_sm, stages=stages, max_rows=2**62)) for entry in entries]
                      for owner, entries in launch._settings()[kernel].items()}
-            for kernel in ("modulated_norm", "selected_modulation_norm", "gated_add_norm")}
+            for kernel in ("modulated_norm", "residual_norm", "selected_modulation_norm", "gated_add_norm")}
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,7 +38,8 @@ def _invariant(*modulations: tuple) -> bool:
 def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
-    launch = row_launch("modulated_norm", shape.batch * shape.tokens, shape.hidden, settings_of(x))
+    table = "modulated_norm" if residual is None else "residual_norm"  # the launch table's entry
+    launch = row_launch(table, shape.batch * shape.tokens, shape.hidden, settings_of(x))
     modulations = [modulation(t, shape.tokens) for t in (gate, scale, shift)]
     grid = row_grid(launch, x, shape.batch, shape.tokens, _invariant(*modulations))
     return KernelLaunch(modulated_norm_kernel, grid.grid, (

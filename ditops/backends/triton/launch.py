@@ -54,7 +54,8 @@ class RowLaunch(NamedTuple):
 
 
 def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
-    """Settings of a row kernel ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
+    """Settings of a row kernel ("modulated_norm", its residual form "residual_norm",
+    "selected_modulation_norm", "gated_add_norm")
     for rows of D = hidden on a device whose settings are owners' (settings_of). num_warps and
     rows_per_program, which set how a row is reduced, depend on D and the device alone;
     early_loads and the row loop (row_grid), which only reorder loads and programs, also on
