@@ -248,7 +248,7 @@ def test_a_row_loop_changes_no_result(monkeypatch):
     """Where a row kernel loops over blocks of rows with the modulation loaded once
     (launch.row_grid: fewer programs, Triton pipelining the loop's loads), every row is computed
     by the same operations as with one program per block: the same bits on every row-op
-    conformance case. On the CPU one simulated multiprocessor runs one program per batch item
+    conformance case. One program per batch item (as if the GPU had one multiprocessor) loops
     over all of its blocks; on a GPU the compiled kernels run in every dtype."""
     on_gpu = torch.cuda.is_available()
     dtypes = conformance.DTYPES if on_gpu else (torch.float32, torch.bfloat16)
@@ -262,6 +262,7 @@ def test_a_row_loop_changes_no_result(monkeypatch):
     with contextlib.nullcontext() if on_gpu else simulated_device("sm_90"):
         plain = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
         monkeypatch.setattr(triton_backend, "row_grid", recording)
+        monkeypatch.setattr(launch, "multiprocessors", lambda t: 1)  # conformance calls are shorter than a GPU's programs
         with launch_table(**row_loop_everywhere(1, 2)):
             loop = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
     assert any(looped), "no case looped over more than one block"

@@ -21,7 +21,12 @@ reduction, tile by tile, and keep few values live, which long calls need for row
 memory latency: there every load of both tiles is issued before the first store, so the
 round trips overlap (H100, S = 128, D = 3072: norm_scale_shift 2.94 -> 2.56 us with the
 modulation loads moved alone). Both orders compute the same operations, so results match
-bit for bit and a row's result does not depend on how many rows its call has."""
+bit for bit and a row's result does not depend on how many rows its call has.
+
+A row loop (launch.row_grid: few programs, each over many blocks) keeps the modulation a
+kernel loads once in registers (HOIST) and lets Triton pipeline the loop's loads through
+shared memory (num_stages), so the next blocks' rows are in flight while one is reduced:
+the bytes in flight a program of registers alone cannot hold. Same operations per row."""
 
 import triton
 import triton.language as tl
