@@ -58,7 +58,7 @@ _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
 if configure_cached_call is not None:
     configure_cached_call(vars(selector), _device._simulation, torch.is_grad_enabled, _current_device,
-                          getattr(torch._C, "_cuda_getCurrentRawStream", None))
+                          getattr(torch._C, "_cuda_getCurrentRawStream", None), torch.empty_like, torch.contiguous_format)
 
 
 _data_ptr = Tensor.data_ptr
@@ -81,6 +81,7 @@ class Plan(NamedTuple):
     launch: Callable[[tuple, tuple], None]
     check_values: Optional[Callable] = None  # (arguments, pointers): the checks that read pointers or values, every call
     direct: Optional[tuple] = None  # a bound Triton launch as data, which dispatch/cached_call.c issues from C
+    spans: Optional[tuple] = None  # check_values as data where it is an aliasing check alone (InPlaceAliasing.spans), for C
 
 
 def _nothing(values: tuple, pointers: tuple) -> None:
@@ -158,7 +159,8 @@ class Op:
         values = arguments + self.outputs(*arguments)
         device_index = values[0].get_device()
         launch, direct = _launcher(implementation, values, device_index)
-        return Plan(implementation, launch, check, direct)
+        spans = check.spans() if isinstance(check, validation.InPlaceAliasing) else None
+        return Plan(implementation, launch, check, direct, spans)
 
     def run(self, arguments: tuple, backend: Optional[str]) -> tuple:
         """The eager path: what the registered op does too."""
@@ -449,7 +451,7 @@ def _in_place_checks(op: str, read_names: tuple) -> Callable:
     def for_plan(q, k, *rest):
         aliasing = validation.InPlaceAliasing(op, q, k, dict(zip(read_names, rest)))
         if rest[positions_at] is None:  # None is in the call signature: nothing to read but pointers
-            return lambda arguments, pointers: aliasing.check(pointers)
+            return aliasing  # a check(arguments, pointers) whose spans dispatch/cached_call.c also reads
 
         def check(arguments, pointers):
             rest = arguments[2:]
@@ -465,21 +467,18 @@ def _in_place_checks(op: str, read_names: tuple) -> Callable:
 # on every call).
 
 
-def _one_like_x(x, *_):
-    return (_empty_like(x, memory_format=_contiguous),)
+class _LikeX:
+    """``count`` new contiguous tensors like x (none for the in-place ops). dispatch/cached_call.c
+    reads ``count`` and allocates them itself, the same way."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __call__(self, x, *_) -> tuple:
+        return tuple(_empty_like(x, memory_format=_contiguous) for _ in range(self.count))
 
 
-def _two_like_x(x, *_):
-    return (_empty_like(x, memory_format=_contiguous), _empty_like(x, memory_format=_contiguous))
-
-
-def _three_like_x(x, *_):
-    return (_empty_like(x, memory_format=_contiguous), _empty_like(x, memory_format=_contiguous),
-            _empty_like(x, memory_format=_contiguous))
-
-
-def _in_place(*_):
-    return ()
+_one_like_x, _two_like_x, _three_like_x, _in_place = _LikeX(1), _LikeX(2), _LikeX(3), _LikeX(0)
 
 
 _NORM = "Tensor? weight, Tensor? bias, str norm, float eps"

@@ -297,6 +297,16 @@ class InPlaceAliasing:
                 first_row = (0,) * (q.dim() - 2)
                 self.row_window = (_byte_span(q[first_row]), _byte_span(k[first_row]), row_stride * q.element_size())
 
+    def __call__(self, arguments: tuple, pointers: tuple) -> None:
+        """The check as a plan's per-call check (ops.Plan.check_values)."""
+        self.check(pointers)
+
+    def spans(self) -> tuple:
+        """The spans as data, for dispatch/cached_call.c, which runs this check's common case
+        (nothing shared) in C and calls ``check`` for anything else: (q span, k span, row
+        window or None, ((index in the pointers, span), ...) of the tensors read)."""
+        return (self.q_span, self.k_span, self.row_window, tuple((index, span) for index, _, span in self.read_spans))
+
     def check(self, pointers: tuple) -> None:
         """``pointers``: the data pointers of q, of k (unless None), then of the tensors read
         that are not None, in the order of the ``read`` given at construction (anything after

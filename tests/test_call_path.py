@@ -150,7 +150,43 @@ def test_a_cached_call_runs_in_c_and_an_override_in_python(monkeypatch):
     base = torch.randn(7 * 64)  # q and k overlapping by 5 of their 6 tokens: the same signature as above
     with pytest.raises(ValueError, match="shares memory"):  # the per-call checks run in C's path too
         ditops.rope_(**dict(q_and_k, q=base[:384].view(6, 2, 32), k=base[64:].view(6, 2, 32)))
+    cache = q_and_k["cos_sin_cache"]
+    within_q = torch.randn(cache.numel() + 384)  # a cache that overlaps q's last 64 values
+    with pytest.raises(ValueError, match="cos_sin_cache shares memory with q"):
+        ditops.rope_(**dict(q_and_k, q=within_q[:384].view(6, 2, 32), cos_sin_cache=within_q[320:320 + cache.numel()].view(cache.shape)))
     assert len(runs) == calls
+
+
+@pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
+@pytest.mark.parametrize("layout", ["separate", "qkv heads"])
+def test_a_cached_call_checks_aliasing_and_allocates_outputs_in_c(monkeypatch, layout):
+    """A planned call in C: an in-place op whose q, k and reads share no memory passes the
+    aliasing check on the plan's spans (InPlaceAliasing.spans) without the Python check, q and
+    k as head blocks of one fused buffer included; a functional op's outputs (ops._LikeX) are
+    allocated there. Where they may share memory the Python check decides (it raises in the
+    test above)."""
+    def q_and_k():
+        if layout == "separate":
+            return torch.randn(6, 2, 32), torch.randn(6, 2, 32)
+        qkv = torch.randn(6, 3, 2, 32)
+        return qkv[:, 0], qkv[:, 1]
+
+    rope = example_arguments("rope_", (6, 2, 32), torch.float32)
+    norm = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    q, k = q_and_k()
+    ditops.rope_(**dict(rope, q=q, k=k))  # builds the plans (Python)
+    ditops.norm_scale_shift(**norm)
+    q, k = q_and_k()
+    expected_q, expected_k = q.clone(), k.clone()
+    ditops.rope_(**dict(rope, q=expected_q, k=expected_k), backend="reference")
+    expected_y = ditops.norm_scale_shift(**norm, backend="reference")
+    checks = []
+    monkeypatch.setattr(ops.validation.InPlaceAliasing, "check", lambda self, pointers: checks.append(pointers))
+    monkeypatch.setattr(ops._LikeX, "__call__", lambda self, *arguments: pytest.fail("outputs allocated in Python"))
+    ditops.rope_(**dict(rope, q=q, k=k))
+    y = ditops.norm_scale_shift(**dict(norm, x=norm["x"].clone()))
+    assert checks == []
+    torch.testing.assert_close((q, k, y), (expected_q, expected_k, expected_y), rtol=0, atol=0)
 
 
 def test_a_changed_override_builds_a_new_plan_and_is_obeyed(counted_checks, monkeypatch):

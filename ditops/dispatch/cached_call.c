@@ -4,8 +4,10 @@
  *
  * cached_call(op, arguments, backend) -> the op's outputs, or NotImplemented: the call
  *   signature's key (selector.signature_key), the plan (find below), the plan's per-call
- *   checks, the outputs, and the launch: a Triton launch bound by kernel_launch.bind is
- *   issued from here (the plan's ``direct``), any other through the plan's Python launcher.
+ *   checks (an in-place op's aliasing check on its spans here, the Python check where they
+ *   may overlap or there is more to check), the outputs (ops._LikeX: allocated here), and the
+ *   launch: a Triton launch bound by kernel_launch.bind is issued from here (the plan's
+ *   ``direct``), any other through the plan's Python launcher.
  *   NotImplemented (an override in force, no plan yet, an argument the key cannot hold)
  *   sends the call down ops.py's Python path, which builds the plan or raises.
  * find(by_key, key, arguments) -> (plan, pointers) or None: PlanTable.find of signature.py.
@@ -114,9 +116,11 @@ static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * by kernel_launch.bind is issued from here (its ``direct`` attribute), any other through the
  * plan's Python launcher. NotImplemented (no plan yet, an override, an argument the key
  * cannot hold) sends the call down ops.py's path, which builds the plan or raises. */
-static PyObject *selector_globals, *simulation, *grad_enabled, *current_device, *current_stream; /* configure */
+static PyObject *selector_globals, *simulation, *grad_enabled, *current_device, *current_stream, /* configure */
+    *empty_like, *contiguous_format;
 static PyObject *n_scopes, *n_stack, *n_dispatcher, *n_env_forced, *n_plans, *n_by_key, *n_device,
-    *n_name, *n_scalars, *n_outputs, *n_shape, *n_calls, *n_enter_hook, *n_exit_hook;
+    *n_name, *n_scalars, *n_outputs, *n_shape, *n_calls, *n_enter_hook, *n_exit_hook, *n_count,
+    *memory_format_kwnames;
 
 #define NOT_HERE do { PyErr_Clear(); result = Py_NewRef(Py_NotImplemented); goto done; } while (0)
 
@@ -173,6 +177,66 @@ static int launch_direct(PyObject *direct, PyObject *pointers) {
     return 1;
 }
 
+/* validation.InPlaceAliasing.check on its spans (ops.Plan.spans): 1 when nothing written is
+ * shared with anything else, 0 when something may be (the Python check decides, and names the
+ * argument in its ValueError), -1 on error. spans = (q span, k span, row window (q row bytes,
+ * k row bytes, row stride) or None, ((index in pointers, span), ...)). */
+static long long pointer_at(PyObject *pointers, Py_ssize_t index) {
+    return PyLong_AsLongLong(PyTuple_GET_ITEM(pointers, index));
+}
+
+static int spans_clear(PyObject *spans, PyObject *pointers) {
+    long long q_span = PyLong_AsLongLong(PyTuple_GET_ITEM(spans, 0));
+    long long k_span = PyLong_AsLongLong(PyTuple_GET_ITEM(spans, 1));
+    if (q_span == 0) return PyErr_Occurred() ? -1 : 1;
+    long long q = pointer_at(pointers, 0), k = q;
+    if (k_span) {
+        k = pointer_at(pointers, 1);
+        long long offset = k - q;
+        if (-k_span < offset && offset < q_span) {
+            PyObject *window = PyTuple_GET_ITEM(spans, 2);
+            if (window == Py_None) return 0;
+            long long q_row = PyLong_AsLongLong(PyTuple_GET_ITEM(window, 0));
+            long long k_row = PyLong_AsLongLong(PyTuple_GET_ITEM(window, 1));
+            long long stride = PyLong_AsLongLong(PyTuple_GET_ITEM(window, 2));
+            int disjoint = offset >= 0 ? offset >= q_row && offset + k_row <= stride
+                                       : -offset >= k_row && -offset + q_row <= stride;
+            if (!disjoint) return 0;
+        }
+    }
+    PyObject *reads = PyTuple_GET_ITEM(spans, 3);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reads); i++) {
+        PyObject *read = PyTuple_GET_ITEM(reads, i);
+        long long start = pointer_at(pointers, PyLong_AsSsize_t(PyTuple_GET_ITEM(read, 0)));
+        long long end = start + PyLong_AsLongLong(PyTuple_GET_ITEM(read, 1));
+        if ((start < q + q_span && q < end) || (k_span && start < k + k_span && k < end)) return 0;
+    }
+    return PyErr_Occurred() ? -1 : 1;
+}
+
+/* The op's outputs: op.outputs.count (ops._LikeX) new tensors empty_like(x, memory_format=
+ * contiguous_format), as its __call__ makes them; any other outputs callable is called. */
+static PyObject *new_outputs(PyObject *op, PyObject *arguments) {
+    PyObject *outputs_of = PyObject_GetAttr(op, n_outputs);
+    if (outputs_of == NULL) return NULL;
+    PyObject *count_of = PyObject_GetAttr(outputs_of, n_count), *outputs = NULL;
+    Py_ssize_t count = count_of != NULL && PyLong_Check(count_of) ? PyLong_AsSsize_t(count_of) : -1;
+    Py_XDECREF(count_of);
+    PyErr_Clear();
+    if (count < 0 || empty_like == NULL) {
+        outputs = PyObject_Call(outputs_of, arguments, NULL);
+    } else if ((outputs = PyTuple_New(count)) != NULL) {
+        PyObject *call[2] = {PyTuple_GET_ITEM(arguments, 0), contiguous_format};
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *output = PyObject_Vectorcall(empty_like, call, 1, memory_format_kwnames);
+            if (output == NULL) { Py_CLEAR(outputs); break; }
+            PyTuple_SET_ITEM(outputs, i, output);
+        }
+    }
+    Py_DECREF(outputs_of);
+    return outputs;
+}
+
 static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyTuple_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "cached_call(op, arguments: tuple, backend)");
@@ -182,7 +246,7 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
     PyObject *op = args[0], *arguments = args[1];
     PyObject *result = NULL, *stack = NULL, *state = NULL, *flag = NULL, *grad = NULL, *device = NULL,
              *name = NULL, *scalars_of = NULL, *scalars = NULL, *types = NULL, *shape = NULL, *key = NULL,
-             *plans = NULL, *by_key = NULL, *entries = NULL, *found = NULL, *outputs_of = NULL,
+             *plans = NULL, *by_key = NULL, *entries = NULL, *found = NULL,
              *outputs = NULL, *values = NULL, *pointers = NULL, *done_launch = NULL, *direct = NULL;
     Py_ssize_t count = PyTuple_GET_SIZE(arguments);
     if (args[2] != Py_None || count == 0) NOT_HERE;
@@ -213,16 +277,18 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
     if ((found = search(entries, arguments)) == NULL) NOT_HERE; /* ops.py's path catches these too */
     if (found == Py_None) NOT_HERE;
 
-    /* ops.Plan is (implementation, launch, check_values, direct); found is (plan, pointers) */
+    /* ops.Plan is (implementation, launch, check_values, direct, spans); found is (plan, pointers) */
     PyObject *plan = PyTuple_GET_ITEM(found, 0), *read = PyTuple_GET_ITEM(found, 1);
     PyObject *check = PyTuple_GET_ITEM(plan, 2), *launch = PyTuple_GET_ITEM(plan, 1);
-    if (check != Py_None) {
+    PyObject *spans = PyTuple_GET_ITEM(plan, 4);
+    int clear = spans != Py_None ? spans_clear(spans, read) : 0;
+    if (clear < 0) goto done;
+    if (check != Py_None && !clear) {
         PyObject *checked = PyObject_CallFunctionObjArgs(check, arguments, read, NULL);
         if (checked == NULL) goto done; /* a ValueError of the per-call checks */
         Py_DECREF(checked);
     }
-    if ((outputs_of = PyObject_GetAttr(op, n_outputs)) == NULL || (outputs = PyObject_Call(outputs_of, arguments, NULL)) == NULL)
-        goto done;
+    if ((outputs = new_outputs(op, arguments)) == NULL) goto done;
     if (!PyTuple_Check(outputs)) {
         PyErr_SetString(PyExc_TypeError, "cached_call: an op's outputs(...) must return a tuple");
         goto done;
@@ -248,7 +314,7 @@ done:
     Py_XDECREF(stack); Py_XDECREF(state); Py_XDECREF(flag); Py_XDECREF(grad); Py_XDECREF(device);
     Py_XDECREF(name); Py_XDECREF(scalars_of); Py_XDECREF(scalars); Py_XDECREF(types); Py_XDECREF(shape);
     Py_XDECREF(key); Py_XDECREF(plans); Py_XDECREF(by_key); Py_XDECREF(entries); Py_XDECREF(found);
-    Py_XDECREF(outputs_of); Py_XDECREF(outputs); Py_XDECREF(values); Py_XDECREF(pointers);
+    Py_XDECREF(outputs); Py_XDECREF(values); Py_XDECREF(pointers);
     Py_XDECREF(done_launch); Py_XDECREF(direct);
     return result;
 }
@@ -256,9 +322,9 @@ done:
 /* configure_cached_call(selector module globals, device._simulation, torch.is_grad_enabled,
  * the current device's index getter, the current raw stream getter) */
 static PyObject *configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyDict_Check(args[0])) {
+    if (nargs != 7 || !PyDict_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "configure_cached_call(selector globals: dict, simulation, "
-                        "is_grad_enabled, current_device, current_stream)");
+                        "is_grad_enabled, current_device, current_stream, empty_like, contiguous_format)");
         return NULL;
     }
     Py_XSETREF(selector_globals, Py_NewRef(args[0]));
@@ -266,6 +332,8 @@ static PyObject *configure(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_XSETREF(grad_enabled, Py_NewRef(args[2]));
     Py_XSETREF(current_device, Py_NewRef(args[3]));
     Py_XSETREF(current_stream, Py_NewRef(args[4]));
+    Py_XSETREF(empty_like, Py_NewRef(args[5]));
+    Py_XSETREF(contiguous_format, Py_NewRef(args[6]));
     Py_RETURN_NONE;
 }
 
@@ -275,7 +343,8 @@ static PyMethodDef methods[] = {
     {"cached_call", (PyCFunction)(void (*)(void))cached_call, METH_FASTCALL,
      "cached_call(op, arguments, backend) -> outputs or NotImplemented: Op.run (ops.py) of a planned call."},
     {"configure_cached_call", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
-     "configure_cached_call(selector globals, simulation, is_grad_enabled, current_device, current_stream)."},
+     "configure_cached_call(selector globals, simulation, is_grad_enabled, current_device, current_stream, "
+     "empty_like, contiguous_format)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -285,10 +354,12 @@ PyMODINIT_FUNC PyInit__cached_call(void) {
     data_ptr_name = PyUnicode_InternFromString("data_ptr");
     if (data_ptr_name == NULL) return NULL;
     PyObject **names[] = {&n_scopes, &n_stack, &n_dispatcher, &n_env_forced, &n_plans, &n_by_key, &n_device,
-                          &n_name, &n_scalars, &n_outputs, &n_shape, &n_calls, &n_enter_hook, &n_exit_hook};
+                          &n_name, &n_scalars, &n_outputs, &n_shape, &n_calls, &n_enter_hook, &n_exit_hook, &n_count};
     const char *texts[] = {"_scopes", "stack", "_dispatcher", "env_forced", "plans", "_by_key", "device",
-                           "name", "scalars", "outputs", "shape", "calls", "launch_enter_hook", "launch_exit_hook"};
+                           "name", "scalars", "outputs", "shape", "calls", "launch_enter_hook", "launch_exit_hook",
+                           "count"};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
         if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return NULL;
+    if ((memory_format_kwnames = Py_BuildValue("(s)", "memory_format")) == NULL) return NULL;
     return PyModule_Create(&module);
 }
