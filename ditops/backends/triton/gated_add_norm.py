@@ -36,6 +36,26 @@ def _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SC
 
 
 @triton.jit
+def _all_terms(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
+               scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
+               weight, bias, weight2, bias2, batch, token, head, head_mask, tail, tail_mask,
+               TANH_GATE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr):
+    """_gate_terms and _y_terms over both tiles at once (zeros for y's where there is no scale)."""
+    m, c = _gate_terms(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                       weight, bias, batch, token, head, head_mask, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
+    m_tail, c_tail = _gate_terms(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                                 weight, bias, batch, token, tail, tail_mask, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
+    m2, a2, m2_tail, a2_tail = 0.0, 0.0, 0.0, 0.0
+    if HAS_SCALE:
+        m2, a2 = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                          weight2, bias2, batch, token, head, head_mask, HAS_WEIGHT2, HAS_BIAS2)
+        m2_tail, a2_tail = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                                    weight2, bias2, batch, token, tail, tail_mask, HAS_WEIGHT2, HAS_BIAS2)
+    return m, c, m_tail, c_tail, m2, a2, m2_tail, a2_tail
+
+
+@triton.jit
 def gated_add_norm_kernel(
     x, x_batch_stride, x_token_stride,
     branch, branch_batch_stride, branch_token_stride,
@@ -52,16 +72,11 @@ def gated_add_norm_kernel(
     if HOIST:  # gate and scale are the same for every token of the batch item: loaded once
         first = tl.zeros([1, 1], dtype=tl.int64)
         head, head_in, tail, tail_in = columns(hidden, BLOCK, TAIL)
-        m, c = _gate_terms(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                           weight, bias, batch, first, head, head_in, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
-        m_tail, c_tail = _gate_terms(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                                     weight, bias, batch, first, tail, tail_in, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
-        if HAS_SCALE:
-            m2, a2 = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
-                              weight2, bias2, batch, first, head, head_in, HAS_WEIGHT2, HAS_BIAS2)
-            m2_tail, a2_tail = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size,
-                                        SCALE_DIM_STRIDE, weight2, bias2, batch, first, tail, tail_in,
-                                        HAS_WEIGHT2, HAS_BIAS2)
+        m, c, m_tail, c_tail, m2, a2, m2_tail, a2_tail = _all_terms(
+            gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+            scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+            weight, bias, weight2, bias2, batch, first, head, head_in, tail, tail_in,
+            TANH_GATE, HAS_SCALE, HAS_WEIGHT, HAS_BIAS, HAS_WEIGHT2, HAS_BIAS2)
     for block in tl.range(tl.program_id(0), tl.cdiv(tokens, ROWS_PER_PROGRAM), tl.num_programs(0), num_stages=STAGES):
         head, head_mask, tail, tail_mask, row, token = row_tile(block, batch, tokens, hidden, BLOCK, TAIL,
                                                                 ROWS_PER_PROGRAM)
@@ -71,17 +86,11 @@ def gated_add_norm_kernel(
             x_row = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
             x_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
         if EARLY_LOADS and not HOIST:
-            m, c = _gate_terms(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
-                               weight, bias, batch, token, head, head_mask, TANH_GATE, HAS_WEIGHT, HAS_BIAS)
-            m_tail, c_tail = _gate_terms(gate, gate_batch_stride, gate_group_stride, gate_group_size,
-                                         GATE_DIM_STRIDE, weight, bias, batch, token, tail, tail_mask,
-                                         TANH_GATE, HAS_WEIGHT, HAS_BIAS)
-            if HAS_SCALE:
-                m2, a2 = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
-                                  weight2, bias2, batch, token, head, head_mask, HAS_WEIGHT2, HAS_BIAS2)
-                m2_tail, a2_tail = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size,
-                                            SCALE_DIM_STRIDE, weight2, bias2, batch, token, tail, tail_mask,
-                                            HAS_WEIGHT2, HAS_BIAS2)
+            m, c, m_tail, c_tail, m2, a2, m2_tail, a2_tail = _all_terms(
+                gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
+                weight, bias, weight2, bias2, batch, token, head, head_mask, tail, tail_mask,
+                TANH_GATE, HAS_SCALE, HAS_WEIGHT, HAS_BIAS, HAS_WEIGHT2, HAS_BIAS2)
         b, b_tail = normalize(b, b_tail, head_mask, tail_mask, hidden, eps, RMS)
         if not (EARLY_LOADS or HOIST):
             m, c = _gate_terms(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
