@@ -309,7 +309,8 @@ def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_c
     forms = (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
     if describe_call and x.numel():
-        return describe((x,), (scale, shift, weight, bias), hidden_size=shape.hidden, norm=norm, modulation=forms)
+        return describe((x,), (scale, shift, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
+                        modulation=forms)
 
 
 def _check_residual_norm_scale_shift(
@@ -323,7 +324,8 @@ def _check_residual_norm_scale_shift(
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
     if describe_call and x.numel():
         return describe(
-            (x, residual), (gate, scale, shift, weight, bias), hidden_size=shape.hidden, norm=norm, modulation=forms
+            (x, residual), (gate, scale, shift, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
+            modulation=forms,
         )
 
 
@@ -347,7 +349,8 @@ def _check_norm_scale_shift_select(
     shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
     if describe_call and x.numel():
         return describe(
-            (x,), (*modulation.values(), weight, bias), hidden_size=shape.hidden, norm="layer", modulation=("batch",) * 6
+            (x,), (*modulation.values(), weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm="layer",
+            modulation=("batch",) * 6,
         )
 
 
@@ -364,7 +367,7 @@ def _check_residual_norm_scale_shift_select(
         return describe(
             (x, residual),
             (residual_gate, *modulation.values(), weight, bias),
-            hidden_size=shape.hidden,
+            hidden_size=shape.hidden, batch_size=shape.batch,
             norm="layer",
             modulation=("token",) + ("batch",) * 6,
         )
@@ -383,7 +386,8 @@ def _check_add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, des
     op = "add_gate_norm"
     shape, _, form = _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act)
     if describe_call and x.numel():
-        return describe((x, branch), (gate, weight, bias), hidden_size=shape.hidden, norm=norm, modulation=(form,))
+        return describe((x, branch), (gate, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
+                        modulation=(form,))
 
 
 def _check_add_gate_norm_scale(
@@ -400,7 +404,7 @@ def _check_add_gate_norm_scale(
         return describe(
             (x, branch),
             (gate, scale, weight, bias, weight2, bias2),
-            hidden_size=shape.hidden,
+            hidden_size=shape.hidden, batch_size=shape.batch,
             norm=norm,
             modulation=(form, scale_form),
         )

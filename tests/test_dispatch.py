@@ -76,6 +76,17 @@ def test_builtin_registry_serves_every_op_with_the_reference():
         assert [impl.name for impl in dispatch.dispatcher().implementations[op]][-1] == "reference"
 
 
+def test_more_batch_items_than_a_triton_grid_holds_go_to_another_backend():
+    """The Triton row kernels put the batch items on their grid's second dimension (at most
+    65535 on CUDA): a call with more goes to the next backend that takes it, with the reason."""
+    x = torch.randn(65536, 1, 8)
+    with ditops.simulated_device("sm_90"):
+        explanation = ditops.explain("norm_scale_shift", x, torch.randn(65536, 8), torch.randn(65536, 8))
+        fewer = ditops.explain("norm_scale_shift", x[:65535], torch.randn(65535, 8), torch.randn(65535, 8))
+    assert "triton     refused: supports B <= 65535 batch items, got B=65536" in str(explanation)
+    assert explanation.selected == "cuda" and fewer.selected == "triton"
+
+
 def test_yaml_backend_is_picked_on_sm90(toy_registry):
     with dispatch.simulated_device("sm_90"):
         assert chosen("norm_scale_shift", **norm_arguments()) == "fast"

@@ -83,6 +83,11 @@ def max_hidden_size(wanted: int, f: Features) -> Reason:
         return f"supports D <= {wanted}, got D={f.hidden_size}"
 
 
+def max_batch_size(wanted: int, f: Features) -> Reason:
+    if f.batch_size > wanted:
+        return f"supports B <= {wanted} batch items, got B={f.batch_size}"
+
+
 def head_sizes(wanted: list, f: Features) -> Reason:
     if f.head_size not in wanted:
         return f"supports Dh in {wanted}, got Dh={f.head_size}"
@@ -149,6 +154,7 @@ CHECKS: dict = {
         hidden_multiple_of,
         min_hidden_size,
         max_hidden_size,
+        max_batch_size,
         head_sizes,
         head_size_multiple_of,
         rotary_dim_multiple_of,
@@ -211,6 +217,7 @@ VALUE_TYPES: dict = {
     "hidden_multiple_of": _POSITIVE,
     "min_hidden_size": _SIZE,
     "max_hidden_size": _SIZE,
+    "max_batch_size": _SIZE,
     "head_sizes": ("a list of integers > 0", _list_of(_positive)),
     "head_size_multiple_of": _POSITIVE,
     "rotary_dim_multiple_of": _POSITIVE,

@@ -24,6 +24,7 @@ class Features(NamedTuple):
     unit_stride: bool  # every tensor's last dimension has stride 1
     requires_grad: bool
     hidden_size: int  # D of the norm ops, 0 for the RoPE ops
+    batch_size: int  # B of the norm ops' x as [B, S, D] (1 for [N, D]), 0 for the RoPE ops
     head_size: int  # Dh of the RoPE ops, 0 for the norm ops
     rotary_dim: int  # R of the RoPE ops, 0 for the norm ops
     norm: str  # "layer", "rms", or "" for the RoPE ops
@@ -37,6 +38,7 @@ def describe(
     params: tuple,
     *,
     hidden_size: int = 0,
+    batch_size: int = 0,
     head_size: int = 0,
     rotary_dim: int = 0,
     norm: str = "",
@@ -85,6 +87,7 @@ def describe(
         unit_stride,
         requires_grad,
         hidden_size,
+        batch_size,
         head_size,
         rotary_dim,
         norm,
