@@ -1,7 +1,9 @@
 """y = norm(v) * (1 + scale) + shift, where v = x, or v = residual + gate * x stored first as
-residual_out (ops 1 and 2). A program normalises ROWS_PER_PROGRAM rows held in registers as a
-head and a tail tile (row_math.py): every element is read once and written once. With
-EARLY_LOADS every load of both tiles comes before the first store (row_math.py says when)."""
+residual_out (ops 1 and 2). A program normalises blocks of ROWS_PER_PROGRAM rows held in
+registers as a head and a tail tile (row_math.py): every element is read once and written
+once. With EARLY_LOADS every load of both tiles comes before the first store; with HOIST (a
+row loop, launch.row_grid) gate, scale and shift are loaded once, before the loop over blocks
+(row_math.py says when and why)."""
 
 import triton
 import triton.language as tl
@@ -51,13 +53,10 @@ def modulated_norm_kernel(
     if HOIST:  # gate, scale and shift are the same for every token of the batch item: loaded once
         first = tl.zeros([1, 1], dtype=tl.int64)
         head, head_in, tail, tail_in = columns(hidden, BLOCK, TAIL)
-        gate_row = 1.0
-        gate_tail = 1.0
-        if HAS_GATE:
-            gate_row = load_modulation(gate, batch, first, gate_batch_stride, gate_group_stride, gate_group_size,
-                                       GATE_DIM_STRIDE, head, head_in)
-            gate_tail = load_modulation(gate, batch, first, gate_batch_stride, gate_group_stride, gate_group_size,
-                                        GATE_DIM_STRIDE, tail, tail_in)
+        gate_row = _gate(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                         batch, first, head, head_in, HAS_GATE)
+        gate_tail = _gate(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
+                          batch, first, tail, tail_in, HAS_GATE)
         m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
                       shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE,
                       batch, first, head, head_in, HAS_WEIGHT, HAS_BIAS)
