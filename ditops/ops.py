@@ -56,13 +56,11 @@ from .dispatch.signature import configure_cached_call, data_pointers
 
 _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
-if configure_cached_call is not None:
-    configure_cached_call(vars(selector), _device._simulation, torch.is_grad_enabled, _current_device,
-                          getattr(torch._C, "_cuda_getCurrentRawStream", None), torch.empty_like, torch.contiguous_format)
-
-
 _data_ptr = Tensor.data_ptr
 _empty_like, _contiguous = torch.empty_like, torch.contiguous_format
+if configure_cached_call is not None:
+    configure_cached_call(vars(selector), _device._simulation, torch.is_grad_enabled, _current_device,
+                          getattr(torch._C, "_cuda_getCurrentRawStream", None), _empty_like, _contiguous)
 
 
 def _new(x: Tensor) -> Tensor:
@@ -467,19 +465,15 @@ def _in_place_checks(op: str, read_names: tuple) -> Callable:
     return for_plan
 
 
-# The outputs of the functional ops: new contiguous tensors like x (``_new``, inlined: these run
-# on every call).
-
-
 class _LikeX:
-    """``count`` new contiguous tensors like x (none for the in-place ops). dispatch/cached_call.c
-    reads ``count`` and allocates them itself, the same way."""
+    """An op's outputs: ``count`` new contiguous tensors like x (``_new``; none for the in-place
+    ops). dispatch/cached_call.c reads ``count`` and allocates them itself, the same way."""
 
     def __init__(self, count: int):
         self.count = count
 
     def __call__(self, x, *_) -> tuple:
-        return tuple(_empty_like(x, memory_format=_contiguous) for _ in range(self.count))
+        return tuple(_new(x) for _ in range(self.count))
 
 
 _one_like_x, _two_like_x, _three_like_x, _in_place = _LikeX(1), _LikeX(2), _LikeX(3), _LikeX(0)
