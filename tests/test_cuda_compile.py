@@ -30,12 +30,13 @@ def test_instance_compiles_to_cubin_without_local_memory(arch, instance):
 
 def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
     """The registry lets cuda take D % 8 == 0 up to 16384 and Dh % 8 == 0 up to 256 in any of
-    three activation dtypes and one parameter dtype: each such call's instance is compiled above."""
+    three activation dtypes and one parameter dtype, on any device class: each such call's
+    instance is compiled above."""
     tested = set(INSTANCES)
     dtypes = list(compiled.C_TYPES)
     for dtype, param_dtype in itertools.product(dtypes, dtypes):
         for hidden in range(8, 16384 + 1, 8):
-            for kernel in compiled.ROW_KERNELS:
-                assert compiled.row_instance(kernel, dtype, param_dtype, hidden) in tested
+            for kernel, device_class in itertools.product(compiled.ROW_KERNELS, (None, *compiled.device_classes())):
+                assert compiled.row_instance(kernel, dtype, param_dtype, hidden, device_class) in tested
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
         assert compiled.rotary_instance(dtype, head_size) in tested

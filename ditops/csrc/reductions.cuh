@@ -9,6 +9,7 @@ template <int GROUP, int BLOCK>
 __device__ inline float group_sum(float value) {
     static_assert(GROUP > kWarpSize ? GROUP % kWarpSize == 0 : (GROUP & (GROUP - 1)) == 0,
                   "a group is a power of two within a warp, or whole warps");
+    static_assert(BLOCK % GROUP == 0, "a block holds whole groups: a partial one would read past `partial`");
     constexpr int lanes = GROUP < kWarpSize ? GROUP : kWarpSize;
 #pragma unroll
     for (int mask = lanes / 2; mask > 0; mask /= 2) value += shuffle_xor(value, mask);
