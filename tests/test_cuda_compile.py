@@ -6,6 +6,7 @@ import itertools
 import struct
 
 import pytest
+import torch
 
 from ditops.backends import compiled
 
@@ -40,3 +41,24 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
                 assert compiled.row_instance(kernel, dtype, param_dtype, hidden, device_class) in tested
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
         assert compiled.rotary_instance(dtype, head_size) in tested
+
+
+def test_a_device_class_takes_its_own_layout_where_the_table_gives_one():
+    assert compiled.device_class("NVIDIA H200") == "H200"
+    assert compiled.device_class("NVIDIA H100 80GB HBM3") is None
+    assert compiled.device_class("AMD Instinct MI300X") is None
+    h200 = compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, "H200")
+    other = compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072)
+    assert (h200.group, h200.template_arguments[3]) == (128, 3)
+    assert (other.group, other.template_arguments[3]) == (64, 6)
+    # a class without an H200 layout gives the H200 the common one
+    assert compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 5120, "H200") == \
+        compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 5120)
+
+
+def test_a_block_that_splits_a_row_group_does_not_compile():
+    """96 threads a row in a block of 128 would leave a partial group whose warps read past the
+    shared partial sums (seen as wrong results in a sweep): the reduction refuses it."""
+    instance = compiled.Instance("modulated_norm.cu", "modulated_norm", ("bfloat16", "bfloat16", 96, 4, 128), 128, 96)
+    with pytest.raises(nvrtc.CompileError, match="whole groups"):
+        nvrtc.compile_instance(instance, "sm_90")

@@ -69,10 +69,13 @@ def device_classes() -> tuple:
     return tuple(_launch_settings()["device_classes"])
 
 
+def device_class(device_name: str) -> Optional[str]:
+    return next((c for c in device_classes() if c in device_name), None)
+
+
 @functools.lru_cache(maxsize=None)
 def device_class_of(device_index: int) -> Optional[str]:
-    name = torch.cuda.get_device_name(device_index)
-    return next((c for c in device_classes() if c in name), None)
+    return device_class(torch.cuda.get_device_name(device_index))
 
 
 def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int,
