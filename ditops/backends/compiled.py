@@ -70,6 +70,7 @@ def device_classes() -> tuple:
 
 
 def device_class(device_name: str) -> Optional[str]:
+    """The device class of a GPU by its name (None: the common layouts)."""
     return next((c for c in device_classes() if c in device_name), None)
 
 
