@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from .. import kernel_cache
+from ..dispatch.device import device_of
 from ..dispatch.signature import pointer_index
 from .views import modulation, rows_of, tokens_of
 
@@ -72,11 +73,6 @@ def device_classes() -> tuple:
 def device_class(device_name: str) -> Optional[str]:
     """The device class of a GPU by its name (None: the common layouts)."""
     return next((c for c in device_classes() if c in device_name), None)
-
-
-@functools.lru_cache(maxsize=None)
-def device_class_of(device_index: int) -> Optional[str]:
-    return device_class(torch.cuda.get_device_name(device_index))
 
 
 def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int,
@@ -278,7 +274,7 @@ class CompiledOps:
             return None
         if rows >= 2**31:
             raise ValueError(f"{kernel}: B * S = {rows} rows; the compiled kernels index rows with 32 bits")
-        instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden, device_class_of(x.get_device()))
+        instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden, device_class(device_of(x.get_device()).name))
         rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
         return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, shape.hidden])
