@@ -87,6 +87,7 @@ ROW_SPECS = {
 
 SELECT_SPECS = {
     "qwen-edit": RowSpec(1, 32, 3072, param_dtype=torch.float32),
+    "sets-of-two-dtypes": RowSpec(2, 6, 256, param_dtype=torch.float16, set1_dtype=torch.bfloat16),
     "odd-d1000": RowSpec(2, 9, 1000),
     "d4104": RowSpec(1, 5, 4104),
     "strided-x": RowSpec(2, 6, 512, layout="strided"),

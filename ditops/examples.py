@@ -123,6 +123,7 @@ class RowSpec:
     index: str = "random"  # select ops: "random" 0/1 per token, or "halves" (Qwen-Image-Edit: set 1 for the second half)
     select_form: str = "batch"  # select ops: the form of their six [B, D] modulation tensors ("batch" or "batch_view")
     gate_in_param_dtype: bool = False  # residual_norm_scale_shift_select: residual_gate in param_dtype, not x's dtype and layout
+    set1_dtype: Optional[torch.dtype] = None  # select ops: set 1's modulation dtype where it differs from set 0's
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,8 @@ def row_arguments(op: str, spec: RowSpec, dtype, device, generator) -> dict:
         index = _selection_index(spec, device, generator)  # drawn before x: the conformance cases' values depend on the order
         arguments = dict(x=x_like(), index=index)
         arguments.update({name: mod(spec.select_form) for name in ("scale0", "shift0", "gate0", "scale1", "shift1", "gate1")})
+        if spec.set1_dtype is not None:
+            arguments.update({name: arguments[name].to(spec.set1_dtype) for name in ("scale1", "shift1", "gate1")})
         arguments.update(weight=affine(), bias=bias())
         if op == "residual_norm_scale_shift_select":
             residual = x_like()

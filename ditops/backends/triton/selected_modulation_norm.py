@@ -1,9 +1,11 @@
 """LayerNorm with a per-token choice between two [B, D] modulation sets (op 3, Qwen-Image-Edit):
 set 1 where index[b, s] != 0, else set 0; the chosen gate is written out per token. With a
 residual, residual_out = residual + residual_gate * x is stored first and normalised as stored.
-Both sets are [B, D]: loading both and selecting costs L2 hits, not memory traffic. Rows are
-held as a head and a tail tile (row_math.py); with EARLY_LOADS every load of both tiles comes
-before the first store."""
+Rows are held as a head and a tail tile (row_math.py); with EARLY_LOADS every load of both
+tiles comes before the first store. A row loads only its chosen set's modulation (_choose):
+loading both sets and choosing the values read 72 KB of float32 vectors per row of D = 3072
+from the caches, against 18 KB of memory traffic, and cost 8% on an H200 at Qwen-Image-Edit's
+S8192 (43.7 against 40.1 us, graph replay, 2026-11-25, the same bits)."""
 
 import triton
 import triton.language as tl
@@ -13,6 +15,11 @@ from .row_math import fold_affine, load_rows, normalize, row_tile, store_rows
 
 @triton.jit
 def _choose(first, first_offset, second, second_offset, columns, mask, selected):
+    """The selected set's row: one load from the chosen tensor where both have one dtype (the
+    row's pointer is chosen), else both loaded and the values chosen."""
+    if first.dtype == second.dtype:
+        chosen = tl.where(selected, second + second_offset, first + first_offset)
+        return tl.load(chosen + columns, mask=mask, other=0.0).to(tl.float32)
     chosen_first = tl.load(first + first_offset + columns, mask=mask, other=0.0).to(tl.float32)
     chosen_second = tl.load(second + second_offset + columns, mask=mask, other=0.0).to(tl.float32)
     return tl.where(selected, chosen_second, chosen_first)
