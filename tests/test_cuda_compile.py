@@ -43,7 +43,12 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
         assert compiled.rotary_instance(dtype, head_size) in tested
 
 
-def test_a_device_class_takes_its_own_layout_where_the_table_gives_one():
+def test_a_device_class_takes_its_own_layout_where_the_table_gives_one(monkeypatch):
+    table = {**compiled._launch_settings(), "device_classes": ["H200"], "rows": [
+        {"max_hidden": 3072, "row_threads": 64, "chunks": 6, "H200": {"row_threads": 128, "chunks": 3}},
+        {"max_hidden": 5120, "row_threads": 128, "chunks": 5},
+    ]}
+    monkeypatch.setattr(compiled, "_launch_settings", lambda: table)
     assert compiled.device_class("NVIDIA H200") == "H200"
     assert compiled.device_class("NVIDIA H100 80GB HBM3") is None
     assert compiled.device_class("AMD Instinct MI300X") is None
@@ -54,6 +59,7 @@ def test_a_device_class_takes_its_own_layout_where_the_table_gives_one():
     # a class without an H200 layout gives the H200 the common one
     assert compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 5120, "H200") == \
         compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 5120)
+    assert h200 in compiled.all_instances() and other in compiled.all_instances()  # both are compiled in CI
 
 
 def test_a_block_that_splits_a_row_group_does_not_compile():
