@@ -106,6 +106,13 @@ def _launch_every_case(dtypes=conformance.DTYPES, ops=OPS, device="cpu"):
             yield case, dtype, outputs
 
 
+def long_calls() -> dict:
+    """Launch-table entries giving conformance cases (short calls) the long calls' launches:
+    the row kernels' late loads and one rotary program per token."""
+    rotary = {owner: dict(entry, split_max_tokens=0) for owner, entry in launch._settings()["rotary"].items()}
+    return dict(early_loads_max_rows={"cuda": 0, "rocm": 0}, rotary=rotary)
+
+
 def row_loop_everywhere(programs_per_sm: int, stages: int) -> dict:
     """Launch-table entries giving every row kernel a row loop on every device (launch.row_grid)."""
     loop = dict(programs_per_sm=programs_per_sm, stages=stages, max_rows=2**62)
@@ -122,11 +129,11 @@ def specializations(vendor: str) -> tuple:
         for name, kernel in originals.items():
             setattr(triton_backend, name, _Recorder(kernel, found))
         with simulated_device(SIMULATED[vendor]):
-            # as tabled; with the long calls' load order (conformance cases are all short calls);
+            # as tabled; with the long calls' launches (conformance cases are all short calls);
             # with a row loop (pipelined, modulation hoisted) on every row kernel, where the
             # vendor's launch table has row loops (NVIDIA; AMD has none)
             looped = [row_loop_everywhere(2, 3)] if vendor == "cuda" else []
-            for table in ({}, dict(early_loads_max_rows={"cuda": 0, "rocm": 0}), *looped):
+            for table in ({}, long_calls(), *looped):
                 with launch_table(**table):
                     for _ in _launch_every_case():
                         pass
@@ -141,7 +148,7 @@ def test_every_kernel_and_option_is_exercised():
     assert {kernel for kernel, *_ in found} == set(KERNELS)
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
-                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST"):
+                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
@@ -187,13 +194,15 @@ def test_rotary_head_blocks(monkeypatch):
     16-byte load per thread of a half-head tile (a 2-head k block made GQA rope_ 14% slower)."""
     from ditops.backends.triton import launch
 
-    settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4}}}
+    settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4, "split_max_tokens": 512}}}
     monkeypatch.setattr(launch, "_settings", lambda: settings)
-    assert launch.rotary_launch(128, 128, 24, 24, 2, ("cuda",))[:2] == (32, 32)  # 32 x 128 values: one pass
-    assert launch.rotary_launch(128, 128, 48, 48, 2, ("cuda",))[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
-    assert launch.rotary_launch(96, 96, 16, 2, 2, ("cuda",))[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
-    assert launch.rotary_launch(96, 96, 16, 2, 4, ("cuda",))[:2] == (16, 8)  # float32: 4 per 16 bytes
-    assert launch.rotary_launch(256, 112, 8, 0, 2, ("cuda",))[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
+    assert launch.rotary_launch(128, 128, 24, 24, 2, 4096, ("cuda",))[:2] == (32, 32)  # 32 x 128 values: one pass
+    assert launch.rotary_launch(128, 128, 48, 48, 2, 4096, ("cuda",))[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
+    assert launch.rotary_launch(96, 96, 16, 2, 2, 4096, ("cuda",))[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
+    assert launch.rotary_launch(96, 96, 16, 2, 4, 4096, ("cuda",))[:2] == (16, 8)  # float32: 4 per 16 bytes
+    assert launch.rotary_launch(256, 112, 8, 0, 2, 4096, ("cuda",))[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
+    # q and k get a program each in calls of at most split_max_tokens tokens
+    assert [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).split for tokens in (1, 512, 513)] == [True, True, False]
 
 
 def test_a_device_class_takes_its_own_entries_and_its_vendors_elsewhere(monkeypatch):
@@ -243,6 +252,23 @@ def test_early_loads_change_no_result():
             late = list(_launch_every_case(dtypes, ROW_OPS, "cuda" if on_gpu else "cpu"))
     assert len(early) == len(late) > 0
     for (case, dtype, first), (_, _, second) in zip(early, late):
+        for a, b in zip(first, second):
+            assert conformance._bitwise_equal(a, b), (case.id, dtype)
+
+
+def test_a_split_rotary_call_changes_no_result():
+    """A short call gives a token's q and k a program each (launch.rotary_launch), a long one
+    one program for both: the same bits on every RoPE conformance case, on the CPU in the
+    interpreter (float32, bfloat16) and on a GPU in every dtype."""
+    on_gpu = torch.cuda.is_available()
+    dtypes = conformance.DTYPES if on_gpu else (torch.float32, torch.bfloat16)
+    rope_ops = ["qk_norm_rope_", "rope_"]
+    with contextlib.nullcontext() if on_gpu else simulated_device("sm_90"):
+        split = list(_launch_every_case(dtypes, rope_ops, "cuda" if on_gpu else "cpu"))
+        with launch_table(rotary=long_calls()["rotary"]):
+            whole = list(_launch_every_case(dtypes, rope_ops, "cuda" if on_gpu else "cpu"))
+    assert len(split) == len(whole) > 0
+    for (case, dtype, first), (_, _, second) in zip(split, whole):
         for a, b in zip(first, second):
             assert conformance._bitwise_equal(a, b), (case.id, dtype)
 

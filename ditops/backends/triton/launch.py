@@ -117,14 +117,17 @@ class RotaryLaunch(NamedTuple):
     block_half: int
     block_rest: int
     num_warps: int
+    split: bool  # a program for a token's q heads and one for its k heads (rotary.py)
 
 
-def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, owners: tuple) -> RotaryLaunch:
+def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, tokens: int,
+                  owners: tuple) -> RotaryLaunch:
     """A head block for q and one for k (k_heads 0: no k). A token's heads go in one pass when
     their tile holds at most one_pass_elements values, else in blocks of about tile_elements.
     A block is never narrower than what gives every thread a 16-byte load of a half-head
     tile: on an H200 a k block of 2 heads (GQA, Dh 96) made rope_ 14% slower than one of 16,
-    its masked heads costing no memory traffic."""
+    its masked heads costing no memory traffic. Calls of at most split_max_tokens tokens give
+    q and k a program each (split), which only spreads the same operations over more programs."""
     entry = _entry("rotary", owners)
     block_half = triton.next_power_of_2(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
@@ -138,4 +141,5 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
         block = whole if whole * per_head <= entry["one_pass_elements"] else min(whole, fitting)
         return max(block, vector)
 
-    return RotaryLaunch(block_heads(q_heads), block_heads(k_heads), block_half, block_rest, entry["num_warps"])
+    return RotaryLaunch(block_heads(q_heads), block_heads(k_heads), block_half, block_rest, entry["num_warps"],
+                        tokens <= entry["split_max_tokens"])

@@ -6,6 +6,10 @@ compiled graph, whose functional node lets Inductor drop the copies around an in
 One program per token: it reads the token's cos/sin row once and applies it to every q and
 k head, Q_BLOCK_HEADS (K_BLOCK_HEADS) heads at a time as a [heads, Dh] tile: q and k have
 their own head block, so GQA's few k heads do not pass through a tile sized for q's many.
+Such a program loads k only after storing q (the compiler cannot tell that they do not
+overlap): two memory round trips in a row. A short call is one wave of programs waiting on
+them, so there (SPLIT, launch.rotary_launch) a token gets two programs, one for q and one
+for k, on a grid of (tokens, 2). The same operations either way: the same bits.
 A head is loaded as its rotated pairs (x1, x2) and, with partial rotary, the dims [R, Dh)
 after them, so each element is read once and written once. Interleaved pairs (2j, 2j+1)
 are loaded as one contiguous tile and split, so the loads stay wide; NeoX pairs
@@ -74,6 +78,7 @@ def rotary_kernel(
     NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)
     batch, token = program // tokens, program % tokens
@@ -87,10 +92,21 @@ def rotary_kernel(
     cache_row = cache + position * cache_row_stride
     cos = tl.load(cache_row + pair, mask=pair < half, other=0.0).to(tl.float32)
     sin = tl.load(cache_row + half + pair, mask=pair < half, other=0.0).to(tl.float32)
-    _rotate_heads(q + batch * q_batch_stride + token * q_token_stride,
-                  q_out + batch * q_out_batch_stride + token * q_out_token_stride, head_size, q_heads, q_weight, cos, sin,
-                  head_size, rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+    q_row = q + batch * q_batch_stride + token * q_token_stride
+    q_target = q_out + batch * q_out_batch_stride + token * q_out_token_stride
     if HAS_K:
-        _rotate_heads(k + batch * k_batch_stride + token * k_token_stride,
-                      k_out + batch * k_out_batch_stride + token * k_out_token_stride, head_size, k_heads, k_weight, cos, sin,
-                      head_size, rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+        k_row = k + batch * k_batch_stride + token * k_token_stride
+        k_target = k_out + batch * k_out_batch_stride + token * k_out_token_stride
+    if SPLIT:  # (tokens, 2) programs; the launch code splits only calls with k
+        if tl.program_id(1) == 0:
+            _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos, sin, head_size, rotary_dim, eps, NORM,
+                          HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+        else:
+            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos, sin, head_size, rotary_dim, eps, NORM,
+                          HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+    else:
+        _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos, sin, head_size, rotary_dim, eps, NORM,
+                      HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+        if HAS_K:
+            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos, sin, head_size, rotary_dim, eps, NORM,
+                          HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
