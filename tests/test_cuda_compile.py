@@ -37,29 +37,10 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
     dtypes = list(compiled.C_TYPES)
     for dtype, param_dtype in itertools.product(dtypes, dtypes):
         for hidden in range(8, 16384 + 1, 8):
-            for kernel, device_class in itertools.product(compiled.ROW_KERNELS, (None, *compiled.device_classes())):
-                assert compiled.row_instance(kernel, dtype, param_dtype, hidden, device_class) in tested
+            for kernel in compiled.ROW_KERNELS:
+                assert compiled.row_instance(kernel, dtype, param_dtype, hidden) in tested
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
         assert compiled.rotary_instance(dtype, head_size) in tested
-
-
-def test_a_device_class_takes_its_own_layout_where_the_table_gives_one(monkeypatch):
-    table = {**compiled._launch_settings(), "device_classes": ["H200"], "rows": [
-        {"max_hidden": 3072, "row_threads": 64, "chunks": 6, "H200": {"row_threads": 128, "chunks": 3}},
-        {"max_hidden": 5120, "row_threads": 128, "chunks": 5},
-    ]}
-    monkeypatch.setattr(compiled, "_launch_settings", lambda: table)
-    assert compiled.device_class("NVIDIA H200") == "H200"
-    assert compiled.device_class("NVIDIA H100 80GB HBM3") is None
-    assert compiled.device_class("AMD Instinct MI300X") is None
-    h200 = compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, "H200")
-    other = compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072)
-    assert (h200.group, h200.template_arguments[3]) == (128, 3)
-    assert (other.group, other.template_arguments[3]) == (64, 6)
-    # a class without an H200 layout gives the H200 the common one
-    assert compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 5120, "H200") == \
-        compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 5120)
-    assert h200 in compiled.all_instances() and other in compiled.all_instances()  # both are compiled in CI
 
 
 def test_a_block_that_splits_a_row_group_does_not_compile():

@@ -22,7 +22,6 @@ import torch
 import yaml
 
 from .. import kernel_cache
-from ..dispatch.device import device_of
 from ..dispatch.signature import pointer_index
 from .views import modulation, rows_of, tokens_of
 
@@ -64,25 +63,12 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-def device_classes() -> tuple:
-    """Device classes with launch settings of their own (compiled_launch.yaml): a GPU whose
-    name contains a class's name takes that class's layout where a row class has one."""
-    return tuple(_launch_settings()["device_classes"])
-
-
-def device_class(device_name: str) -> Optional[str]:
-    """The device class of a GPU by its name (None: the common layouts)."""
-    return next((c for c in device_classes() if c in device_name), None)
-
-
-def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int,
-                 device_class: Optional[str] = None) -> Instance:
+def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int) -> Instance:
     """A row kernel for activations of dtype and weights/modulation of param_dtype, in the
-    layout of the first row class with max_hidden >= D (its device_class layout if it has one)."""
+    layout of the first row class with max_hidden >= D."""
     for entry in _launch_settings()["rows"]:
         if hidden <= entry["max_hidden"]:
-            layout = entry.get(device_class, entry)
-            threads, chunks = layout["row_threads"], layout["chunks"]
+            threads, chunks = entry["row_threads"], entry["chunks"]
             block = max(threads, MIN_ROW_BLOCK)
             arguments = (C_TYPES[dtype], C_TYPES[param_dtype], threads, chunks, block)
             return Instance(f"{kernel}.cu", kernel, arguments, block, threads)
@@ -108,9 +94,8 @@ def all_instances() -> list:
     """Every instance the registry can select: each kernel x activation dtype x launch class."""
     instances = []
     for dtype in C_TYPES:
-        for param_dtype, kernel, entry, device_class in itertools.product(
-                C_TYPES, ROW_KERNELS, _launch_settings()["rows"], (None, *device_classes())):
-            instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"], device_class))
+        for param_dtype, kernel, entry in itertools.product(C_TYPES, ROW_KERNELS, _launch_settings()["rows"]):
+            instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"]))
         instances += [rotary_instance(dtype, head_size) for head_size in ROTARY_HEAD_SIZES]
     return list(dict.fromkeys(instances))
 
@@ -274,7 +259,7 @@ class CompiledOps:
             return None
         if rows >= 2**31:
             raise ValueError(f"{kernel}: B * S = {rows} rows; the compiled kernels index rows with 32 bits")
-        instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden, device_class(device_of(x.get_device()).name))
+        instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden)
         rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
         return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, shape.hidden])
