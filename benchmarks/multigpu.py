@@ -158,6 +158,10 @@ def relative_error(output, reference) -> float:
 
 
 def measure(name: str, parallel: str, arguments, device) -> list:
+    """Per mode: both ways compiled (or not) once, then timed ``--rounds`` times each,
+    alternating which goes first; each way's time is the median of its rounds. Timed once
+    each in a fixed order, a host-bound compiled step's ratio said more about the order than
+    about the ops (models.py says how far)."""
     from diffusers import ContextParallelConfig
 
     dtype = torch.float32 if arguments.tiny else torch.bfloat16
@@ -171,27 +175,37 @@ def measure(name: str, parallel: str, arguments, device) -> list:
     for mode in arguments.modes:
         row = {"model": name, "parallel": f"{parallel}{world}", "mode": mode}
         try:
+            torch._dynamo.reset()
+            runs = {}
             for variant in ("baseline", "ditops"):
+                _set_variant(model, variant)
                 if variant == "ditops":
-                    integration.apply(model)
                     row["cp_calls"], row["attention_calls"] = count_attention_calls(model, inputs)
-                torch._dynamo.reset()
-                run = torch.compile(model) if mode == "compile" else model
                 if mode == "regional":
                     model.compile_repeated_blocks()
-                output = forward(run, inputs)
-                row[f"{variant}_ms"] = time_ms(lambda: forward(run, inputs), device, arguments.repeats)
+                runs[variant] = torch.compile(model) if mode == "compile" else model
+                # the first call compiles; Dynamo's guards on the patched modules keep one graph per variant
+                output = forward(runs[variant], inputs)
                 row["rel_err" if variant == "ditops" else "baseline_rel_err"] = relative_error(output, reference)
-                uncompile(model)
-                integration.remove(model)
+            samples = {"baseline": [], "ditops": []}
+            for turn in range(arguments.rounds):
+                for variant in ("baseline", "ditops") if turn % 2 == 0 else ("ditops", "baseline"):
+                    _set_variant(model, variant)
+                    samples[variant].append(time_ms(lambda: forward(runs[variant], inputs), device, arguments.repeats))
+            for variant, times in samples.items():
+                row[f"{variant}_ms"], row[f"{variant}_rounds_ms"] = statistics.median(times), times
             row["speedup"] = row["baseline_ms"] / row["ditops_ms"]
         except Exception as error:  # noqa: BLE001  the row says what failed; the other rows still run
-            uncompile(model)
-            integration.remove(model)
             row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
+        uncompile(model)
+        integration.remove(model)
         rows.append(row)
         report(row)
     return rows
+
+
+def _set_variant(model, variant: str) -> None:
+    (integration.apply if variant == "ditops" else integration.remove)(model)
 
 
 def uncompile(model) -> None:
@@ -233,7 +247,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2, help="double and single blocks (FLUX), blocks (Wan)")
     parser.add_argument("--backend", default=None,
                         help="diffusers attention backend for every run (default _native_cudnn on GPU, native on CPU)")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="forwards per round (the round's time is their median)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per way and mode, alternating which goes first")
     parser.add_argument("--tiny", action="store_true", help="tiny widths, float32, CPU and gloo when no GPU: a smoke test")
     parser.add_argument("--output", type=Path, default=None)
     arguments = parser.parse_args()
