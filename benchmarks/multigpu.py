@@ -4,7 +4,9 @@ FLUX.1 at 1024px (4096 image + 512 text tokens, width 3072, 24 heads) and Wan2.1
 81 frames (32760 tokens, width 1536, 12 heads, 512 text tokens), each as a diffusers model with
 ``--blocks`` blocks of each kind (random weights from the config, bf16, no download). Per model,
 parallel setting and mode, the same model runs unpatched (``baseline_ms``) and with
-``ditops.integrations.diffusers.apply`` (``ditops_ms``); ``rel_err`` and ``baseline_rel_err``
+``ditops.integrations.diffusers.apply`` (``ditops_ms``), each the median of ``--rounds`` rounds
+that alternate which way runs first (``*_rounds_ms``; a round is the median of ``--repeats``
+forwards); ``rel_err`` and ``baseline_rel_err``
 are the relative L2 error of each output against the one-GPU eager run without ditops.
 ``cp_calls`` / ``attention_calls``: attention calls of one ditops forward that got the parallel
 config / all of them (counted eagerly at ``dispatch_attention_fn``; the compiled forward runs the
