@@ -6,7 +6,6 @@ import itertools
 import struct
 
 import pytest
-import torch
 
 from ditops.backends import compiled
 

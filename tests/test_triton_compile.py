@@ -203,6 +203,7 @@ def test_rotary_head_blocks(monkeypatch):
     assert launch.rotary_launch(256, 112, 8, 0, 2, 4096, ("cuda",))[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
     # q and k get a program each in calls of at most split_max_tokens tokens
     assert [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).split for tokens in (1, 512, 513)] == [True, True, False]
+    assert not launch.rotary_launch(128, 128, 24, 0, 2, 128, ("cuda",)).split  # rope_ without k: one program a token
 
 
 def test_a_device_class_takes_its_own_entries_and_its_vendors_elsewhere(monkeypatch):

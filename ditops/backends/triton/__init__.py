@@ -140,7 +140,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     positions_batch_stride, positions_token_stride = (0, 0)
     if positions is not None:
         positions_batch_stride, positions_token_stride = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
-    return KernelLaunch(rotary_kernel, (batch * tokens, 2 if launch.split and k is not None else 1), (
+    return KernelLaunch(rotary_kernel, (batch * tokens, 2 if launch.split else 1), (
         q, q_batch_stride, q_token_stride, q.shape[-2],
         k, k_batch_stride, k_token_stride, k.shape[-2] if k is not None else 0,
         q_out, q_out_batch_stride, q_out_token_stride,
@@ -153,7 +153,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         NORM=norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
         Q_BLOCK_HEADS=launch.q_block_heads, K_BLOCK_HEADS=launch.k_block_heads,
-        BLOCK_HALF=launch.block_half, BLOCK_REST=launch.block_rest, SPLIT=launch.split and k is not None,
+        BLOCK_HALF=launch.block_half, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
         num_warps=launch.num_warps,
     ))
 

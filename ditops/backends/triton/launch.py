@@ -117,7 +117,7 @@ class RotaryLaunch(NamedTuple):
     block_half: int
     block_rest: int
     num_warps: int
-    split: bool  # a program for a token's q heads and one for its k heads (rotary.py)
+    split: bool  # a program for a token's q heads and one for its k heads (rotary.py); only with k
 
 
 def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, tokens: int,
@@ -126,8 +126,9 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
     their tile holds at most one_pass_elements values, else in blocks of about tile_elements.
     A block is never narrower than what gives every thread a 16-byte load of a half-head
     tile: on an H200 a k block of 2 heads (GQA, Dh 96) made rope_ 14% slower than one of 16,
-    its masked heads costing no memory traffic. Calls of at most split_max_tokens tokens give
-    q and k a program each (split), which only spreads the same operations over more programs."""
+    its masked heads costing no memory traffic. Calls with k of at most split_max_tokens tokens
+    give q and k a program each (split), which only spreads the same operations over more
+    programs."""
     entry = _entry("rotary", owners)
     block_half = triton.next_power_of_2(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
@@ -142,4 +143,4 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
         return max(block, vector)
 
     return RotaryLaunch(block_heads(q_heads), block_heads(k_heads), block_half, block_rest, entry["num_warps"],
-                        tokens <= entry["split_max_tokens"])
+                        k_heads > 0 and tokens <= entry["split_max_tokens"])
