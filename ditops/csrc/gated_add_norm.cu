@@ -12,7 +12,7 @@ __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
     row.load(branch, at, hidden);
     residual.load(x, at, hidden);  // loaded early: its latency hides behind the norm
     const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
-    const ModulationRow<P> gate_row(gate, at.batch, at.token);
+    const RowVector<P, ROW_THREADS, CHUNKS> gate_row(ModulationRow<P>(gate, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds<ROW_THREADS>(i, hidden)) continue;
@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
         float v[kChunk], r[kChunk], g[kChunk];
         normalized_chunk(row, i, statistics, weight, bias, column, v);
         residual.get(i, r);
-        gate_row.load(column, g);
+        gate_row.get(i, g);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) v[e] = r[e] + (tanh_gate ? tanhf(g[e]) : g[e]) * v[e];
         row.set(i, v);  // y's norm reads out as stored
@@ -28,14 +28,14 @@ __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
     }
     if (y == nullptr) return;  // uniform across the block: add_gate_norm has no y
     const RowStatistics out_statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
-    const ModulationRow<P> scale_row(scale, at.batch, at.token);
+    const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds<ROW_THREADS>(i, hidden)) continue;
         const long long column = at.column<ROW_THREADS>(i);
         float v[kChunk], s[kChunk];
         normalized_chunk(row, i, out_statistics, weight2, bias2, column, v);
-        scale_row.load(column, s);
+        scale_row.get(i, s);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) v[e] *= 1.0f + s[e];
         row.set(i, v);

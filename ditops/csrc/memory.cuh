@@ -111,7 +111,7 @@ struct Modulation {
 };
 
 // One row's modulation vector: found once per row (the division by group_size is costly),
-// then read chunk by chunk. data == nullptr: the tensor is absent.
+// then read chunk by chunk (RowVector in row_tile.cuh). data == nullptr: the tensor is absent.
 template <typename P>
 struct ModulationRow {
     const P* data;
@@ -123,15 +123,6 @@ struct ModulationRow {
                       : nullptr),
           scalar(m.dim_stride == 0) {}
 
-    __device__ void load(long long column, float (&values)[kChunk]) const {
-        if (scalar) {
-            const float value = to_float(*data);
-#pragma unroll
-            for (int i = 0; i < kChunk; ++i) values[i] = value;
-        } else {
-            load_chunk(data + column, values);
-        }
-    }
 };
 
 // An integer tensor [B, S] (or [T], batch_stride 0) of any integer or bool dtype, read as

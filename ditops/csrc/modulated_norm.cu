@@ -12,17 +12,18 @@ __global__ void __launch_bounds__(BLOCK, 1) modulated_norm(
     row.load(x, at, hidden);
     if (residual.data) add_residual(row, residual, ModulationRow<P>(gate, at.batch, at.token), at, hidden, residual_out);
     const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
-    const ModulationRow<P> scale_row(scale, at.batch, at.token), shift_row(shift, at.batch, at.token);
+    const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at, hidden);
+    const RowVector<P, ROW_THREADS, CHUNKS> shift_row(ModulationRow<P>(shift, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds<ROW_THREADS>(i, hidden)) continue;
         const long long column = at.column<ROW_THREADS>(i);
         float v[kChunk], s[kChunk], t[kChunk];
         normalized_chunk(row, i, statistics, weight, bias, column, v);
-        scale_row.load(column, s);
-        if (shift_row.data) shift_row.load(column, t);
+        scale_row.get(i, s);
+        shift_row.get(i, t);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) v[e] = v[e] * (1.0f + s[e]) + (shift_row.data ? t[e] : 0.0f);
+        for (int e = 0; e < kChunk; ++e) v[e] = v[e] * (1.0f + s[e]) + t[e];
         row.set(i, v);
         row.store(y + at.row * hidden, at, i);
     }

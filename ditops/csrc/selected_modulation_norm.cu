@@ -19,9 +19,12 @@ __global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
     const bool second = at.valid && load_integer(index, at.batch, at.token) != 0;
     // rows of both sets, then chosen by value: choosing a kernel parameter or a local by reference
     // would move them to local memory
-    const ModulationRow<P> scale_row = second ? ModulationRow<P>(scale1, at.batch, at.token) : ModulationRow<P>(scale0, at.batch, at.token);
-    const ModulationRow<P> shift_row = second ? ModulationRow<P>(shift1, at.batch, at.token) : ModulationRow<P>(shift0, at.batch, at.token);
-    const ModulationRow<P> gate_row = second ? ModulationRow<P>(gate1, at.batch, at.token) : ModulationRow<P>(gate0, at.batch, at.token);
+    const RowVector<P, ROW_THREADS, CHUNKS> scale_row(
+        second ? ModulationRow<P>(scale1, at.batch, at.token) : ModulationRow<P>(scale0, at.batch, at.token), at, hidden);
+    const RowVector<P, ROW_THREADS, CHUNKS> shift_row(
+        second ? ModulationRow<P>(shift1, at.batch, at.token) : ModulationRow<P>(shift0, at.batch, at.token), at, hidden);
+    const RowVector<P, ROW_THREADS, CHUNKS> gate_row(
+        second ? ModulationRow<P>(gate1, at.batch, at.token) : ModulationRow<P>(gate0, at.batch, at.token), at, hidden);
     Row<T, ROW_THREADS, CHUNKS> chosen_gate;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
@@ -29,9 +32,9 @@ __global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
         const long long column = at.column<ROW_THREADS>(i);
         float v[kChunk], s[kChunk], t[kChunk], g[kChunk];
         normalized_chunk(row, i, statistics, weight, bias, column, v);
-        scale_row.load(column, s);
-        shift_row.load(column, t);
-        gate_row.load(column, g);
+        scale_row.get(i, s);
+        shift_row.get(i, t);
+        gate_row.get(i, g);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) v[e] = v[e] * (1.0f + s[e]) + t[e];
         row.set(i, v);
