@@ -30,14 +30,14 @@ def test_instance_compiles_to_cubin_without_local_memory(arch, instance):
 
 def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
     """The registry lets cuda take D % 8 == 0 up to 16384 and Dh % 8 == 0 up to 256 in any of
-    three activation dtypes and one parameter dtype, on any device class: each such call's
-    instance is compiled above."""
+    three activation dtypes and one parameter dtype, with or without a norm weight or bias, on
+    any device class: each such call's instance is compiled above."""
     tested = set(INSTANCES)
     dtypes = list(compiled.C_TYPES)
     for dtype, param_dtype in itertools.product(dtypes, dtypes):
         for hidden in range(8, 16384 + 1, 8):
-            for kernel in compiled.ROW_KERNELS:
-                assert compiled.row_instance(kernel, dtype, param_dtype, hidden) in tested
+            for kernel, affine in itertools.product(compiled.ROW_KERNELS, (False, True)):
+                assert compiled.row_instance(kernel, dtype, param_dtype, hidden, affine) in tested
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
         assert compiled.rotary_instance(dtype, head_size) in tested
 
@@ -45,6 +45,6 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
 def test_a_block_that_splits_a_row_group_does_not_compile():
     """96 threads a row in a block of 128 would leave a partial group whose warps read past the
     shared partial sums (seen as wrong results in a sweep): the reduction refuses it."""
-    instance = compiled.Instance("modulated_norm.cu", "modulated_norm", ("bfloat16", "bfloat16", 96, 4, 128), 128, 96)
+    instance = compiled.Instance("modulated_norm.cu", "modulated_norm", ("bfloat16", "bfloat16", "false", 96, 4, 128), 128, 96)
     with pytest.raises(nvrtc.CompileError, match="whole groups"):
         nvrtc.compile_instance(instance, "sm_90")

@@ -63,14 +63,18 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int) -> Instance:
+def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int, affine: bool) -> Instance:
     """A row kernel for activations of dtype and weights/modulation of param_dtype, in the
-    layout of the first row class with max_hidden >= D."""
+    layout of the first row class with max_hidden >= D; affine: the call has a norm weight or
+    bias. That is a template flag, not a run-time test like the kernels' other options,
+    because registers are allocated for a kernel's every path: preloaded weight and bias
+    (row_tile.cuh) in the instance that never uses them cost an H100 11% on FLUX.2's D = 6144
+    rows and 3% on HunyuanVideo's (2026-11-25, twelfth session)."""
     for entry in _launch_settings()["rows"]:
         if hidden <= entry["max_hidden"]:
             threads, chunks = entry["row_threads"], entry["chunks"]
             block = max(threads, MIN_ROW_BLOCK)
-            arguments = (C_TYPES[dtype], C_TYPES[param_dtype], threads, chunks, block)
+            arguments = (C_TYPES[dtype], C_TYPES[param_dtype], "true" if affine else "false", threads, chunks, block)
             return Instance(f"{kernel}.cu", kernel, arguments, block, threads)
     raise ValueError(f"no compiled launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
@@ -91,11 +95,13 @@ SEGMENT = 32  # lanes the rotary kernel packs whole heads into (kSegment in port
 
 
 def all_instances() -> list:
-    """Every instance the registry can select: each kernel x activation dtype x launch class."""
+    """Every instance the registry can select: each kernel x activation dtype x parameter dtype x
+    launch class x with or without an affine."""
     instances = []
     for dtype in C_TYPES:
-        for param_dtype, kernel, entry in itertools.product(C_TYPES, ROW_KERNELS, _launch_settings()["rows"]):
-            instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"]))
+        for param_dtype, kernel, entry, affine in itertools.product(C_TYPES, ROW_KERNELS, _launch_settings()["rows"],
+                                                                    (False, True)):
+            instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"], affine))
         instances += [rotary_instance(dtype, head_size) for head_size in ROTARY_HEAD_SIZES]
     return list(dict.fromkeys(instances))
 
@@ -252,14 +258,15 @@ class CompiledOps:
         function.bind = bind
         return function
 
-    def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list) -> Optional[CompiledLaunch]:
+    def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list,
+                     affine: bool) -> Optional[CompiledLaunch]:
         shape = rows_of(x)
         rows = shape.batch * shape.tokens
         if rows == 0 or shape.hidden == 0:
             return None
         if rows >= 2**31:
             raise ValueError(f"{kernel}: B * S = {rows} rows; the compiled kernels index rows with 32 bits")
-        instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden)
+        instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden, affine)
         rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
         return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, shape.hidden])
@@ -268,7 +275,8 @@ class CompiledOps:
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(residual), modulation(gate, tokens), modulation(scale, tokens),
                      modulation(shift, tokens), weight, bias, y, residual_out, float(eps), int(norm == "rms")]
-        return self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments)
+        return self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments,
+                                 affine=weight is not None or bias is not None)
 
     def norm_scale_shift_launch(self, x, scale, shift, weight, bias, norm, eps, y):
         return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
@@ -281,7 +289,8 @@ class CompiledOps:
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(residual), modulation(residual_gate, tokens), _integers(index),
                      *(modulation(t, tokens) for t in modulations), weight, bias, y, residual_out, gate_out, float(eps)]
-        return self._rows_launch("selected_modulation_norm", x, (residual_gate, *modulations, weight, bias), arguments)
+        return self._rows_launch("selected_modulation_norm", x, (residual_gate, *modulations, weight, bias), arguments,
+                                 affine=weight is not None or bias is not None)
 
     def norm_scale_shift_select_launch(self, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
                                        y, gate_out):
@@ -298,7 +307,8 @@ class CompiledOps:
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(branch), modulation(gate, tokens), modulation(scale, tokens),
                      weight, bias, weight2, bias2, out, y, float(eps), int(norm == "rms"), int(gate_act == "tanh")]
-        return self._rows_launch("gated_add_norm", x, (gate, scale, weight, bias, weight2, bias2), arguments)
+        affine = any(t is not None for t in (weight, bias, weight2, bias2))
+        return self._rows_launch("gated_add_norm", x, (gate, scale, weight, bias, weight2, bias2), arguments, affine)
 
     def add_gate_norm_launch(self, x, branch, gate, weight, bias, norm, eps, gate_act, out):
         return self._gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)

@@ -2,7 +2,7 @@
 // stored in x's dtype; then optionally y = norm2(out) * (1 + scale), reading out as stored.
 #include "row_tile.cuh"
 
-template <typename T, typename P, int ROW_THREADS, int CHUNKS, int BLOCK>
+template <typename T, typename P, bool AFFINE, int ROW_THREADS, int CHUNKS, int BLOCK>
 __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
     Rows x, Rows branch, Modulation gate, Modulation scale, const P* __restrict__ weight, const P* __restrict__ bias, const P* __restrict__ weight2,
     const P* __restrict__ bias2, T* __restrict__ out, T* __restrict__ y, float eps, long long rms, long long tanh_gate, long long rows, long long tokens,
@@ -12,13 +12,13 @@ __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
     row.load(branch, at, hidden);
     residual.load(x, at, hidden);  // loaded early: its latency hides behind the norm
     const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
+    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at, hidden), bias_row(AFFINE ? bias : nullptr, at, hidden);
     const RowVector<P, ROW_THREADS, CHUNKS> gate_row(ModulationRow<P>(gate, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds<ROW_THREADS>(i, hidden)) continue;
-        const long long column = at.column<ROW_THREADS>(i);
         float v[kChunk], r[kChunk], g[kChunk];
-        normalized_chunk(row, i, statistics, weight, bias, column, v);
+        normalized_chunk(row, i, statistics, weight_row, bias_row, v);
         residual.get(i, r);
         gate_row.get(i, g);
 #pragma unroll
@@ -28,13 +28,13 @@ __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
     }
     if (y == nullptr) return;  // uniform across the block: add_gate_norm has no y
     const RowStatistics out_statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
+    const RowVector<P, ROW_THREADS, CHUNKS> weight2_row(AFFINE ? weight2 : nullptr, at, hidden), bias2_row(AFFINE ? bias2 : nullptr, at, hidden);
     const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds<ROW_THREADS>(i, hidden)) continue;
-        const long long column = at.column<ROW_THREADS>(i);
         float v[kChunk], s[kChunk];
-        normalized_chunk(row, i, out_statistics, weight2, bias2, column, v);
+        normalized_chunk(row, i, out_statistics, weight2_row, bias2_row, v);
         scale_row.get(i, s);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) v[e] *= 1.0f + s[e];

@@ -3,7 +3,7 @@
 // written once; the row stays in registers between the two.
 #include "row_tile.cuh"
 
-template <typename T, typename P, int ROW_THREADS, int CHUNKS, int BLOCK>
+template <typename T, typename P, bool AFFINE, int ROW_THREADS, int CHUNKS, int BLOCK>
 __global__ void __launch_bounds__(BLOCK, 1) modulated_norm(
     Rows x, Rows residual, Modulation gate, Modulation scale, Modulation shift, const P* __restrict__ weight, const P* __restrict__ bias,
     T* __restrict__ y, T* __restrict__ residual_out, float eps, long long rms, long long rows, long long tokens, long long hidden) {
@@ -12,14 +12,14 @@ __global__ void __launch_bounds__(BLOCK, 1) modulated_norm(
     row.load(x, at, hidden);
     if (residual.data) add_residual(row, residual, ModulationRow<P>(gate, at.batch, at.token), at, hidden, residual_out);
     const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
+    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at, hidden), bias_row(AFFINE ? bias : nullptr, at, hidden);
     const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at, hidden);
     const RowVector<P, ROW_THREADS, CHUNKS> shift_row(ModulationRow<P>(shift, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds<ROW_THREADS>(i, hidden)) continue;
-        const long long column = at.column<ROW_THREADS>(i);
         float v[kChunk], s[kChunk], t[kChunk];
-        normalized_chunk(row, i, statistics, weight, bias, column, v);
+        normalized_chunk(row, i, statistics, weight_row, bias_row, v);
         scale_row.get(i, s);
         shift_row.get(i, t);
 #pragma unroll

@@ -3,7 +3,7 @@
 // BLOCK-thread block; thread `lane` holds chunk i at columns (lane + i * ROW_THREADS) * kChunk,
 // so that a group's accesses to a row are contiguous. The launch code picks ROW_THREADS,
 // CHUNKS and BLOCK per size class with ROW_THREADS * CHUNKS * kChunk >= D. P is the dtype of
-// weights and modulation.
+// weights and modulation; AFFINE (a kernel's template flag) whether the call has a weight or bias.
 #pragma once
 #include "memory.cuh"
 #include "reductions.cuh"
@@ -72,14 +72,19 @@ struct Row {
     }
 };
 
-// This thread's chunks of one row's modulation (scale, shift or gate). 16-bit modulation is
-// loaded for every chunk at once: loaded chunk by chunk, each load waits for the store of the
-// chunk before it (the compiler does not move a load above a store it cannot prove disjoint),
-// one cache round trip per chunk in series after the reduction (H100, CUDA rows of D = 3072:
-// S = 128 latency 16-30% and residual rows 8-14% faster). Float modulation doubles those
-// registers, which cost more than the round trips (Wan2.1-14B 34% slower), so it is still
-// loaded where used. data == nullptr: absent.
-template <typename P, int ROW_THREADS, int CHUNKS, bool PRELOAD = sizeof(P) == 2>
+// This thread's chunks of one row's per-column vector: a modulation (scale, shift, gate) or a
+// norm's weight or bias. 16-bit vectors are loaded for every chunk at once, before the chunks
+// are computed: loaded chunk by chunk, each load waits for the store of the chunk before it
+// (the compiler does not move a load above a store it cannot prove disjoint), one cache round
+// trip per chunk in series after the reduction (H100, CUDA rows of D = 3072, modulation:
+// S = 128 latency rows 9-28% and residual rows 4-15% faster; weight and bias: add_gate_norm(_scale)
+// latency rows 16-26%). Float vectors double those registers, which cost more than the round
+// trips (Wan2.1-14B's float modulation: 34% slower), so they are still loaded where used; so
+// are the vectors of rows wider than 8192 (512-thread blocks leave a thread 128 registers,
+// which the select kernel's five preloaded vectors overflow with float activations).
+// A kernel's weight and bias are absent at compile time where the call has none (AFFINE,
+// ditops/backends/compiled.py says why). data == nullptr: absent.
+template <typename P, int ROW_THREADS, int CHUNKS, bool PRELOAD = sizeof(P) == 2 && ROW_THREADS <= 256>
 struct RowVector {
     static constexpr int kWords = ChunkWords<P>::count;
     uint4 words[PRELOAD ? CHUNKS : 1][kWords];
@@ -88,8 +93,14 @@ struct RowVector {
     bool present, scalar;
 
     __device__ RowVector(const ModulationRow<P>& m, const RowPosition& at, long long hidden)
-        : lane_data(m.data ? m.data + at.column<ROW_THREADS>(0) : nullptr), value(0.0f), present(m.data != nullptr), scalar(m.scalar) {
-        if (present && scalar) value = to_float(*m.data);
+        : RowVector(m.data, m.scalar, at, hidden) {}
+
+    // A norm's weight or bias: a [D] vector, or nullptr.
+    __device__ RowVector(const P* data, const RowPosition& at, long long hidden) : RowVector(data, false, at, hidden) {}
+
+    __device__ RowVector(const P* data, bool scalar, const RowPosition& at, long long hidden)
+        : lane_data(data ? data + at.column<ROW_THREADS>(0) : nullptr), value(0.0f), present(data != nullptr), scalar(scalar) {
+        if (present && scalar) value = to_float(*data);
         if constexpr (PRELOAD) {
 #pragma unroll
             for (int i = 0; i < CHUNKS; ++i) {
@@ -173,16 +184,17 @@ __device__ inline RowStatistics row_statistics(const Row<T, ROW_THREADS, CHUNKS>
 // Chunk i of the normalised row, with the optional affine.
 template <typename P, typename T, int ROW_THREADS, int CHUNKS>
 __device__ inline void normalized_chunk(const Row<T, ROW_THREADS, CHUNKS>& row, int i, const RowStatistics& statistics,
-                                        const P* weight, const P* bias, long long column, float (&values)[kChunk]) {
+                                        const RowVector<P, ROW_THREADS, CHUNKS>& weight, const RowVector<P, ROW_THREADS, CHUNKS>& bias,
+                                        float (&values)[kChunk]) {
     row.get(i, values);
     float w[kChunk], b[kChunk];
-    if (weight) load_chunk(weight + column, w);
-    if (bias) load_chunk(bias + column, b);
+    weight.get(i, w);
+    bias.get(i, b);
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
         float n = (values[e] - statistics.mean) * statistics.inverse_deviation;
-        if (weight) n *= w[e];
-        if (bias) n += b[e];
+        if (weight.present) n *= w[e];
+        if (bias.present) n += b[e];
         values[e] = n;
     }
 }

@@ -3,7 +3,7 @@
 // chosen gate so that the next call can take it as its residual_gate.
 #include "row_tile.cuh"
 
-template <typename T, typename P, int ROW_THREADS, int CHUNKS, int BLOCK>
+template <typename T, typename P, bool AFFINE, int ROW_THREADS, int CHUNKS, int BLOCK>
 __global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
     Rows x, Rows residual, Modulation residual_gate, Integers index,
     Modulation scale0, Modulation shift0, Modulation gate0, Modulation scale1, Modulation shift1, Modulation gate1,
@@ -19,6 +19,7 @@ __global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
     const bool second = at.valid && load_integer(index, at.batch, at.token) != 0;
     // rows of both sets, then chosen by value: choosing a kernel parameter or a local by reference
     // would move them to local memory
+    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at, hidden), bias_row(AFFINE ? bias : nullptr, at, hidden);
     const RowVector<P, ROW_THREADS, CHUNKS> scale_row(
         second ? ModulationRow<P>(scale1, at.batch, at.token) : ModulationRow<P>(scale0, at.batch, at.token), at, hidden);
     const RowVector<P, ROW_THREADS, CHUNKS> shift_row(
@@ -29,9 +30,8 @@ __global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds<ROW_THREADS>(i, hidden)) continue;
-        const long long column = at.column<ROW_THREADS>(i);
         float v[kChunk], s[kChunk], t[kChunk], g[kChunk];
-        normalized_chunk(row, i, statistics, weight, bias, column, v);
+        normalized_chunk(row, i, statistics, weight_row, bias_row, v);
         scale_row.get(i, s);
         shift_row.get(i, t);
         gate_row.get(i, g);
