@@ -6,8 +6,11 @@ import itertools
 import struct
 
 import pytest
+import torch
 
+from ditops import conformance
 from ditops.backends import compiled
+from ditops.ops import OPS, ordered_arguments
 
 nvrtc = pytest.importorskip("ditops.backends.cuda.nvrtc")
 
@@ -48,3 +51,24 @@ def test_a_block_that_splits_a_row_group_does_not_compile():
     instance = compiled.Instance("modulated_norm.cu", "modulated_norm", ("bfloat16", "bfloat16", "false", 96, 4, 128), 128, 96)
     with pytest.raises(nvrtc.CompileError, match="whole groups"):
         nvrtc.compile_instance(instance, "sm_90")
+
+
+def test_a_row_call_takes_the_affine_instance_exactly_when_it_has_a_weight_or_bias():
+    """The instance without an affine compiles the weight and bias away, so a call that has
+    either must get the other one: checked on every row-op conformance case's launch (built
+    on the CPU, nothing launched)."""
+    from ditops.backends.cuda import KERNELS
+
+    seen = set()
+    for case in conformance.CASES:
+        if case.op in ("qk_norm_rope_", "rope_"):
+            continue
+        values = case.arguments(torch.bfloat16, "cpu")
+        arguments, _ = ordered_arguments(case.op, **values)
+        if OPS[case.op].check(*arguments) is None:
+            continue  # empty input: nothing is launched
+        launch = getattr(KERNELS, case.op + "_launch")(*arguments, *OPS[case.op].outputs(*arguments))
+        affine = any(values.get(name) is not None for name in ("weight", "bias", "weight2", "bias2"))
+        assert launch.instance.template_arguments[2] == ("true" if affine else "false"), case.id
+        seen.add(affine)
+    assert seen == {False, True}
