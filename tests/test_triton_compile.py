@@ -148,7 +148,7 @@ def test_every_kernel_and_option_is_exercised():
     assert {kernel for kernel, *_ in found} == set(KERNELS)
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
-                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT", "K_FIRST"):
+                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
@@ -194,23 +194,16 @@ def test_rotary_head_blocks(monkeypatch):
     16-byte load per thread of a half-head tile (a 2-head k block made GQA rope_ 14% slower)."""
     from ditops.backends.triton import launch
 
-    settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4, "split_max_tokens": 512,
-                                    "load_k_first": True}}}
+    settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4, "split_max_tokens": 512}}}
     monkeypatch.setattr(launch, "_settings", lambda: settings)
-    assert launch.rotary_launch(128, 128, 24, 24, 2, 4096, ("cuda",), True)[:2] == (32, 32)  # 32 x 128 values: one pass
-    assert launch.rotary_launch(128, 128, 48, 48, 2, 4096, ("cuda",), True)[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
-    assert launch.rotary_launch(96, 96, 16, 2, 2, 4096, ("cuda",), True)[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
-    assert launch.rotary_launch(96, 96, 16, 2, 4, 4096, ("cuda",), True)[:2] == (16, 8)  # float32: 4 per 16 bytes
-    assert launch.rotary_launch(256, 112, 8, 0, 2, 4096, ("cuda",), True)[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
+    assert launch.rotary_launch(128, 128, 24, 24, 2, 4096, ("cuda",))[:2] == (32, 32)  # 32 x 128 values: one pass
+    assert launch.rotary_launch(128, 128, 48, 48, 2, 4096, ("cuda",))[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
+    assert launch.rotary_launch(96, 96, 16, 2, 2, 4096, ("cuda",))[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
+    assert launch.rotary_launch(96, 96, 16, 2, 4, 4096, ("cuda",))[:2] == (16, 8)  # float32: 4 per 16 bytes
+    assert launch.rotary_launch(256, 112, 8, 0, 2, 4096, ("cuda",))[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
     # q and k get a program each in calls of at most split_max_tokens tokens
-    assert [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",), True).split for tokens in (1, 512, 513)] == [True, True, False]
-    assert not launch.rotary_launch(128, 128, 24, 0, 2, 128, ("cuda",), True).split  # rope_ without k: one program a token
-    # a long call without the norm loads k before storing q where each tensor's heads fit one block
-    assert launch.rotary_launch(128, 128, 24, 24, 2, 4096, ("cuda",), False).k_first
-    assert not launch.rotary_launch(128, 128, 24, 24, 2, 4096, ("cuda",), True).k_first  # the norm
-    assert not launch.rotary_launch(128, 128, 48, 48, 2, 4096, ("cuda",), False).k_first  # two blocks of q heads
-    assert not launch.rotary_launch(128, 128, 24, 24, 2, 512, ("cuda",), False).k_first  # split
-    assert not launch.rotary_launch(128, 128, 24, 0, 2, 4096, ("cuda",), False).k_first  # no k
+    assert [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).split for tokens in (1, 512, 513)] == [True, True, False]
+    assert not launch.rotary_launch(128, 128, 24, 0, 2, 128, ("cuda",)).split  # rope_ without k: one program a token
 
 
 def test_a_device_class_takes_its_own_entries_and_its_vendors_elsewhere(monkeypatch):
@@ -266,9 +259,8 @@ def test_early_loads_change_no_result():
 
 def test_a_split_rotary_call_changes_no_result():
     """A short call gives a token's q and k a program each (launch.rotary_launch), a long one
-    one program for both, which for rope_ loads k before storing q (K_FIRST): the same bits on
-    every RoPE conformance case, on the CPU in the interpreter (float32, bfloat16) and on a GPU
-    in every dtype."""
+    one program for both: the same bits on every RoPE conformance case, on the CPU in the
+    interpreter (float32, bfloat16) and on a GPU in every dtype."""
     on_gpu = torch.cuda.is_available()
     dtypes = conformance.DTYPES if on_gpu else (torch.float32, torch.bfloat16)
     rope_ops = ["qk_norm_rope_", "rope_"]

@@ -136,7 +136,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     _, _, k_out_batch_stride, k_out_token_stride = tokens_of(k_out) if k is not None else (0, 0, 0, 0)
     head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
     launch = rotary_launch(head_size, rotary_dim, q.shape[-2], k.shape[-2] if k is not None else 0, q.element_size(),
-                           batch * tokens, settings_of(q), norm)
+                           batch * tokens, settings_of(q))
     positions_batch_stride, positions_token_stride = (0, 0)
     if positions is not None:
         positions_batch_stride, positions_token_stride = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
@@ -153,7 +153,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         NORM=norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
         Q_BLOCK_HEADS=launch.q_block_heads, K_BLOCK_HEADS=launch.k_block_heads,
-        BLOCK_HALF=launch.block_half, BLOCK_REST=launch.block_rest, SPLIT=launch.split, K_FIRST=launch.k_first,
+        BLOCK_HALF=launch.block_half, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
         num_warps=launch.num_warps,
     ))
 

@@ -118,20 +118,17 @@ class RotaryLaunch(NamedTuple):
     block_rest: int
     num_warps: int
     split: bool  # a program for a token's q heads and one for its k heads (rotary.py); only with k
-    k_first: bool  # one program loads q's and k's heads, each in one block, before storing either (rotary.py)
 
 
 def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, tokens: int,
-                  owners: tuple, norm: bool) -> RotaryLaunch:
+                  owners: tuple) -> RotaryLaunch:
     """A head block for q and one for k (k_heads 0: no k). A token's heads go in one pass when
     their tile holds at most one_pass_elements values, else in blocks of about tile_elements.
     A block is never narrower than what gives every thread a 16-byte load of a half-head
     tile: on an H200 a k block of 2 heads (GQA, Dh 96) made rope_ 14% slower than one of 16,
     its masked heads costing no memory traffic. Calls with k of at most split_max_tokens tokens
     give q and k a program each (split), which only spreads the same operations over more
-    programs; longer ones without the norm load k before storing q where the table says
-    load_k_first and each tensor's heads fit one block (k_first). The token count chooses
-    neither a result nor a layout: the same bits either way."""
+    programs."""
     entry = _entry("rotary", owners)
     block_half = triton.next_power_of_2(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
@@ -145,8 +142,5 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
         block = whole if whole * per_head <= entry["one_pass_elements"] else min(whole, fitting)
         return max(block, vector)
 
-    q_block, k_block = block_heads(q_heads), block_heads(k_heads)
-    split = k_heads > 0 and tokens <= entry["split_max_tokens"]
-    k_first = (entry.get("load_k_first", False) and not norm and k_heads > 0 and not split
-               and q_heads <= q_block and k_heads <= k_block)
-    return RotaryLaunch(q_block, k_block, block_half, block_rest, entry["num_warps"], split, k_first)
+    return RotaryLaunch(block_heads(q_heads), block_heads(k_heads), block_half, block_rest, entry["num_warps"],
+                        k_heads > 0 and tokens <= entry["split_max_tokens"])

@@ -9,10 +9,7 @@ their own head block, so GQA's few k heads do not pass through a tile sized for 
 Such a program loads k only after storing q (the compiler cannot tell that they do not
 overlap): two memory round trips in a row. A short call is one wave of programs waiting on
 them, so there (SPLIT, launch.rotary_launch) a token gets two programs, one for q and one
-for k, on a grid of (tokens, 2). In a long call without the norm (K_FIRST, where the launch
-table asks and q's and k's heads each fit one block) a program loads k before storing q;
-with the norm the registers that takes cost more than the round trip. The same operations
-in every case: the same bits.
+for k, on a grid of (tokens, 2). The same operations either way: the same bits.
 A head is loaded as its rotated pairs (x1, x2) and, with partial rotary, the dims [R, Dh)
 after them, so each element is read once and written once. Interleaved pairs (2j, 2j+1)
 are loaded as one contiguous tile and split, so the loads stay wide; NeoX pairs
@@ -23,78 +20,49 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_heads(base, head_stride, heads, first_head, head_size, rotary_dim,
-                NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """Heads [first_head, first_head + BLOCK_HEADS) as float32 (x1, x2, tail): the rotated
-    pairs and, for the norm, the dims [R, Dh) after them (zeros without the norm)."""
-    half = rotary_dim // 2
-    pair = tl.arange(0, BLOCK_HALF)[None, :]
-    rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
-    head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
-    row = base + head * head_stride
-    pair_mask = (head < heads) & (pair < half)
-    if INTERLEAVED:
-        both = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-        tile = tl.load(row + both, mask=(head < heads) & (both < rotary_dim), other=0.0).to(tl.float32)
-        x1, x2 = tl.split(tl.reshape(tile, (BLOCK_HEADS, BLOCK_HALF, 2)))
-    else:
-        x1 = tl.load(row + pair, mask=pair_mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + half + pair, mask=pair_mask, other=0.0).to(tl.float32)
-    if NORM:
-        tail = tl.load(row + rest, mask=(head < heads) & (rest < head_size), other=0.0).to(tl.float32)
-    else:
-        tail = tl.zeros((BLOCK_HEADS, BLOCK_REST), dtype=tl.float32)
-    return x1, x2, tail
-
-
-@triton.jit
-def _finish_heads(x1, x2, tail, target, head_stride, heads, first_head, weight, cos, sin, head_size, rotary_dim, eps,
-                  NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """The norm (optional) and the rotation of loaded heads, stored to target."""
-    half = rotary_dim // 2
-    pair = tl.arange(0, BLOCK_HALF)[None, :]
-    rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
-    head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
-    out = target + head * head_stride
-    pair_mask = (head < heads) & (pair < half)
-    if INTERLEAVED:
-        first_index, second_index = 2 * pair, 2 * pair + 1
-    else:
-        first_index, second_index = pair, half + pair
-    if NORM:
-        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(tail * tail, axis=1)
-        inverse_rms = tl.rsqrt(squares / head_size + eps)[:, None]
-        x1, x2, tail = x1 * inverse_rms, x2 * inverse_rms, tail * inverse_rms
-        if HAS_WEIGHT:
-            in_pair = pair < half
-            x1 = x1 * tl.load(weight + first_index, mask=in_pair, other=0.0).to(tl.float32)
-            x2 = x2 * tl.load(weight + second_index, mask=in_pair, other=0.0).to(tl.float32)
-            tail = tail * tl.load(weight + rest, mask=rest < head_size, other=0.0).to(tl.float32)
-        tl.store(out + rest, tail.to(target.dtype.element_ty), mask=(head < heads) & (rest < head_size))
-    out1 = (x1 * cos - x2 * sin).to(target.dtype.element_ty)
-    out2 = (x2 * cos + x1 * sin).to(target.dtype.element_ty)
-    if INTERLEAVED:
-        both = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-        tile = tl.reshape(tl.join(out1, out2), (BLOCK_HEADS, 2 * BLOCK_HALF))
-        tl.store(out + both, tile, mask=(head < heads) & (both < rotary_dim))
-    else:
-        tl.store(out + pair, out1, mask=pair_mask)
-        tl.store(out + half + pair, out2, mask=pair_mask)
-
-
-@triton.jit
 def _rotate_heads(
     base, target, head_stride, heads, weight, cos, sin, head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
+    half = rotary_dim // 2
+    pair = tl.arange(0, BLOCK_HALF)[None, :]
+    rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
     for first_head in range(0, heads, BLOCK_HEADS):
-        x1, x2, tail = _load_heads(base, head_stride, heads, first_head, head_size, rotary_dim, NORM, INTERLEAVED,
-                                   BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
-        _finish_heads(x1, x2, tail, target, head_stride, heads, first_head, weight, cos, sin, head_size, rotary_dim, eps,
-                      NORM, HAS_WEIGHT, INTERLEAVED, BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+        head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
+        row = base + head * head_stride
+        out = target + head * head_stride
+        pair_mask = (head < heads) & (pair < half)
+        rest_mask = (head < heads) & (rest < head_size)
+        if INTERLEAVED:
+            both = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+            tile = tl.load(row + both, mask=(head < heads) & (both < rotary_dim), other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(tile, (BLOCK_HEADS, BLOCK_HALF, 2)))
+            first_index, second_index = 2 * pair, 2 * pair + 1
+        else:
+            x1 = tl.load(row + pair, mask=pair_mask, other=0.0).to(tl.float32)
+            x2 = tl.load(row + half + pair, mask=pair_mask, other=0.0).to(tl.float32)
+            first_index, second_index = pair, half + pair
+        if NORM:
+            tail = tl.load(row + rest, mask=rest_mask, other=0.0).to(tl.float32)
+            squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(tail * tail, axis=1)
+            inverse_rms = tl.rsqrt(squares / head_size + eps)[:, None]
+            x1, x2, tail = x1 * inverse_rms, x2 * inverse_rms, tail * inverse_rms
+            if HAS_WEIGHT:
+                in_pair = pair < half
+                x1 = x1 * tl.load(weight + first_index, mask=in_pair, other=0.0).to(tl.float32)
+                x2 = x2 * tl.load(weight + second_index, mask=in_pair, other=0.0).to(tl.float32)
+                tail = tail * tl.load(weight + rest, mask=rest < head_size, other=0.0).to(tl.float32)
+            tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask)
+        out1 = (x1 * cos - x2 * sin).to(target.dtype.element_ty)
+        out2 = (x2 * cos + x1 * sin).to(target.dtype.element_ty)
+        if INTERLEAVED:
+            both = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+            tile = tl.reshape(tl.join(out1, out2), (BLOCK_HEADS, 2 * BLOCK_HALF))
+            tl.store(out + both, tile, mask=(head < heads) & (both < rotary_dim))
+        else:
+            tl.store(out + pair, out1, mask=pair_mask)
+            tl.store(out + half + pair, out2, mask=pair_mask)
 
 
 @triton.jit
@@ -110,7 +78,7 @@ def rotary_kernel(
     NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-    SPLIT: tl.constexpr, K_FIRST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)
     batch, token = program // tokens, program % tokens
@@ -136,15 +104,6 @@ def rotary_kernel(
         else:
             _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos, sin, head_size, rotary_dim, eps, NORM,
                           HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
-    elif K_FIRST:  # q's and k's heads each in one block (launch.rotary_launch): both loaded, then stored
-        qx1, qx2, q_tail = _load_heads(q_row, head_size, q_heads, 0, head_size, rotary_dim, NORM, INTERLEAVED,
-                                       Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
-        kx1, kx2, k_tail = _load_heads(k_row, head_size, k_heads, 0, head_size, rotary_dim, NORM, INTERLEAVED,
-                                       K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
-        _finish_heads(qx1, qx2, q_tail, q_target, head_size, q_heads, 0, q_weight, cos, sin, head_size, rotary_dim, eps,
-                      NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
-        _finish_heads(kx1, kx2, k_tail, k_target, head_size, k_heads, 0, k_weight, cos, sin, head_size, rotary_dim, eps,
-                      NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
     else:
         _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos, sin, head_size, rotary_dim, eps, NORM,
                       HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
