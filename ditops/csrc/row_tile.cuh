@@ -76,9 +76,10 @@ struct Row {
 // norm's weight or bias. 16-bit vectors are loaded for every chunk at once, before the chunks
 // are computed: loaded chunk by chunk, each load waits for the store of the chunk before it
 // (the compiler does not move a load above a store it cannot prove disjoint), one cache round
-// trip per chunk in series after the reduction (H100, CUDA rows of D = 3072, modulation:
-// S = 128 latency rows 9-28% and residual rows 4-15% faster; weight and bias: add_gate_norm(_scale)
-// latency rows 16-26%). Float vectors double those registers, which cost more than the round
+// trip per chunk in series after the reduction (H100, `ditops bench`, D = 3072: preloading the
+// modulation made the S = 128 latency rows 5-24% faster, residual Qwen-Image 10% and residual
+// select Qwen-Image-Edit 15%; the weight and bias, add_gate_norm(_scale)'s latency rows 13% and
+// 27%). Float vectors double those registers, which cost more than the round
 // trips (Wan2.1-14B's float modulation: 34% slower), so they are still loaded where used; so
 // are the vectors of rows wider than 8192 (512-thread blocks leave a thread 128 registers,
 // which the select kernel's five preloaded vectors overflow with float activations).
