@@ -294,7 +294,7 @@ def warmup(arguments) -> int:
             instance = futures[future]
             compiled, seconds = future.result()
             compiled_count += compiled
-            progress(f"[{number:3}/{len(instances)}] {instance.name_expression:<52} {'compiled' if compiled else 'cached':<8} {seconds * 1e3:7.1f} ms")
+            progress(f"[{number:3}/{len(instances)}] {instance.name_expression:<64} {'compiled' if compiled else 'cached':<8} {seconds * 1e3:7.1f} ms")
     if load:
         start = time.perf_counter()
         for instance in instances:
