@@ -72,3 +72,19 @@ def test_a_row_call_takes_the_affine_instance_exactly_when_it_has_a_weight_or_bi
         assert launch.instance.template_arguments[2] == ("true" if affine else "false"), case.id
         seen.add(affine)
     assert seen == {False, True}
+
+
+def test_the_instance_stats_script_reports_the_compiled_registers():
+    """scripts/cuda_instance_stats.py (the no-GPU screen for a kernel change) prints what the
+    compile reports for the instance a call would take."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cuda_instance_stats.py"
+    result = subprocess.run([sys.executable, str(script), "modulated_norm", "--hidden", "3072", "--affine"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    instance = compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True)
+    expected = nvrtc.compile_instance(instance, "sm_90")
+    assert f"{instance.name_expression} for sm_90: {expected.registers} registers, 0 bytes of spills" in result.stdout
