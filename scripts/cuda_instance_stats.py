@@ -26,9 +26,8 @@ from ditops.backends.cuda import nvrtc
 
 def nvdisasm() -> str:
     """The nvdisasm of the nvidia-cuda-nvdisasm wheel, else one on PATH."""
-    for path in sorted(Path(sysconfig.get_paths()["purelib"]).glob("nvidia/cu*/bin/nvdisasm")):
-        return str(path)
-    found = shutil.which("nvdisasm")
+    wheel = sorted(Path(sysconfig.get_paths()["purelib"]).glob("nvidia/cu*/bin/nvdisasm"))
+    found = str(wheel[0]) if wheel else shutil.which("nvdisasm")
     if found is None:
         sys.exit("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
     return found

@@ -259,13 +259,16 @@ class CompiledOps:
         return function
 
     def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list,
-                     affine: bool) -> Optional[CompiledLaunch]:
+                     norm_params: tuple) -> Optional[CompiledLaunch]:
+        """params: the weight and modulation tensors (their dtype is the kernel's P);
+        norm_params: the norms' weights and biases, any of which makes the instance affine."""
         shape = rows_of(x)
         rows = shape.batch * shape.tokens
         if rows == 0 or shape.hidden == 0:
             return None
         if rows >= 2**31:
             raise ValueError(f"{kernel}: B * S = {rows} rows; the compiled kernels index rows with 32 bits")
+        affine = any(t is not None for t in norm_params)
         instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden, affine)
         rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
@@ -275,8 +278,7 @@ class CompiledOps:
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(residual), modulation(gate, tokens), modulation(scale, tokens),
                      modulation(shift, tokens), weight, bias, y, residual_out, float(eps), int(norm == "rms")]
-        return self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments,
-                                 affine=weight is not None or bias is not None)
+        return self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments, (weight, bias))
 
     def norm_scale_shift_launch(self, x, scale, shift, weight, bias, norm, eps, y):
         return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
@@ -290,7 +292,7 @@ class CompiledOps:
         arguments = [_rows(x), _rows(residual), modulation(residual_gate, tokens), _integers(index),
                      *(modulation(t, tokens) for t in modulations), weight, bias, y, residual_out, gate_out, float(eps)]
         return self._rows_launch("selected_modulation_norm", x, (residual_gate, *modulations, weight, bias), arguments,
-                                 affine=weight is not None or bias is not None)
+                                 (weight, bias))
 
     def norm_scale_shift_select_launch(self, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
                                        y, gate_out):
@@ -307,8 +309,8 @@ class CompiledOps:
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(branch), modulation(gate, tokens), modulation(scale, tokens),
                      weight, bias, weight2, bias2, out, y, float(eps), int(norm == "rms"), int(gate_act == "tanh")]
-        affine = any(t is not None for t in (weight, bias, weight2, bias2))
-        return self._rows_launch("gated_add_norm", x, (gate, scale, weight, bias, weight2, bias2), arguments, affine)
+        return self._rows_launch("gated_add_norm", x, (gate, scale, weight, bias, weight2, bias2), arguments,
+                                 (weight, bias, weight2, bias2))
 
     def add_gate_norm_launch(self, x, branch, gate, weight, bias, norm, eps, gate_act, out):
         return self._gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)
