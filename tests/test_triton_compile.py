@@ -191,15 +191,22 @@ def test_float64_eps_is_computed_in_float32():
 def test_rotary_head_blocks(monkeypatch):
     """Each of q and k gets its own head block: all heads in one pass while that tile holds at
     most one_pass_elements values, else blocks of about tile_elements; never narrower than a
-    16-byte load per thread of a half-head tile (a 2-head k block made GQA rope_ 14% slower)."""
+    16-byte load per thread of the pairs' head tile (a 2-head k block made GQA rope_ 14% slower).
+    Pairs of a head tile and a tail tile (R/2 not a power of two) run at tail_num_warps."""
     from ditops.backends.triton import launch
 
-    settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4, "split_max_tokens": 512}}}
+    settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4, "tail_num_warps": 2,
+                                    "split_max_tokens": 512}}}
     monkeypatch.setattr(launch, "_settings", lambda: settings)
     assert launch.rotary_launch(128, 128, 24, 24, 2, 4096, ("cuda",))[:2] == (32, 32)  # 32 x 128 values: one pass
     assert launch.rotary_launch(128, 128, 48, 48, 2, 4096, ("cuda",))[:2] == (16, 16)  # 64 x 128 > 4096: 2048-value blocks
-    assert launch.rotary_launch(96, 96, 16, 2, 2, 4096, ("cuda",))[:2] == (16, 16)  # bf16: 128 threads x 8 / 64 = 16 heads at least
+    assert launch.rotary_launch(96, 96, 16, 2, 2, 4096, ("cuda",))[:2] == (16, 16)  # bf16: 64 threads x 8 / 32 = 16 heads at least
     assert launch.rotary_launch(96, 96, 16, 2, 4, 4096, ("cuda",))[:2] == (16, 8)  # float32: 4 per 16 bytes
+    assert launch.rotary_launch(64, 64, 16, 2, 2, 4096, ("cuda",))[:2] == (32, 32)  # 128 threads x 8 / 32 = 32 heads at least
+    # pairs as a head tile and a tail tile: 40 = 32 + 8, 48 = 32 + 16, 64 = 64 + none; 2 warps with a tail
+    assert [launch.rotary_launch(size, size, 16, 16, 2, 4096, ("cuda",))[2:6:3] for size in (80, 96, 128)] == [
+        (32, 2), (32, 2), (64, 4)]
+    assert [launch.rotary_launch(size, size, 16, 16, 2, 4096, ("cuda",)).half_tail for size in (80, 96, 128)] == [8, 16, 0]
     assert launch.rotary_launch(256, 112, 8, 0, 2, 4096, ("cuda",))[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
     # q and k get a program each in calls of at most split_max_tokens tokens
     assert [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).split for tokens in (1, 512, 513)] == [True, True, False]

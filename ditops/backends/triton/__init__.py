@@ -153,7 +153,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         NORM=norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
         Q_BLOCK_HEADS=launch.q_block_heads, K_BLOCK_HEADS=launch.k_block_heads,
-        BLOCK_HALF=launch.block_half, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
+        HALF_HEAD=launch.half_head, HALF_TAIL=launch.half_tail, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
         num_warps=launch.num_warps,
     ))
 

@@ -114,7 +114,8 @@ def multiprocessors(t: torch.Tensor) -> int:
 class RotaryLaunch(NamedTuple):
     q_block_heads: int
     k_block_heads: int
-    block_half: int
+    half_head: int  # the rotated pairs' head tile: the largest power of two not above R/2
+    half_tail: int  # their tail tile: the next power of two of R/2 - half_head; 0: none
     block_rest: int
     num_warps: int
     split: bool  # a program for a token's q heads and one for its k heads (rotary.py); only with k
@@ -124,23 +125,27 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
                   owners: tuple) -> RotaryLaunch:
     """A head block for q and one for k (k_heads 0: no k). A token's heads go in one pass when
     their tile holds at most one_pass_elements values, else in blocks of about tile_elements.
-    A block is never narrower than what gives every thread a 16-byte load of a half-head
-    tile: on an H200 a k block of 2 heads (GQA, Dh 96) made rope_ 14% slower than one of 16,
-    its masked heads costing no memory traffic. Calls with k of at most split_max_tokens tokens
-    give q and k a program each (split), which only spreads the same operations over more
-    programs."""
+    A block is never narrower than what gives every thread a 16-byte load of the head tile of
+    its pairs: on an H200 a k block of 2 heads (GQA, Dh 96) made rope_ 14% slower than one of
+    16, its masked heads costing no memory traffic. A head whose pairs have a tail tile runs at
+    tail_num_warps (the launch table has the numbers). Calls with k of at most split_max_tokens
+    tokens give q and k a program each (split), which only spreads the same operations over
+    more programs."""
     entry = _entry("rotary", owners)
-    block_half = triton.next_power_of_2(rotary_dim // 2)
+    half = rotary_dim // 2
+    half_head = _power_of_two_at_most(half)
+    half_tail = triton.next_power_of_2(half - half_head) if half > half_head else 0
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
-    per_head = 2 * block_half + (block_rest if head_size > rotary_dim else 0)
+    per_head = 2 * (half_head + half_tail) + (block_rest if head_size > rotary_dim else 0)
     fitting = _power_of_two_at_most(max(1, entry["tile_elements"] // per_head))
-    threads = entry["num_warps"] * warp_size_of(owners[-1])
-    vector = min(fitting, triton.next_power_of_2(-(-threads * (16 // element_size) // block_half)))
+    num_warps = entry["tail_num_warps"] if half_tail else entry["num_warps"]
+    threads = num_warps * warp_size_of(owners[-1])
+    vector = min(fitting, triton.next_power_of_2(-(-threads * (16 // element_size) // half_head)))
 
     def block_heads(heads: int) -> int:
         whole = triton.next_power_of_2(max(heads, 1))
         block = whole if whole * per_head <= entry["one_pass_elements"] else min(whole, fitting)
         return max(block, vector)
 
-    return RotaryLaunch(block_heads(q_heads), block_heads(k_heads), block_half, block_rest, entry["num_warps"],
+    return RotaryLaunch(block_heads(q_heads), block_heads(k_heads), half_head, half_tail, block_rest, num_warps,
                         k_heads > 0 and tokens <= entry["split_max_tokens"])

@@ -13,56 +13,96 @@ for k, on a grid of (tokens, 2). The same operations either way: the same bits.
 A head is loaded as its rotated pairs (x1, x2) and, with partial rotary, the dims [R, Dh)
 after them, so each element is read once and written once. Interleaved pairs (2j, 2j+1)
 are loaded as one contiguous tile and split, so the loads stay wide; NeoX pairs
-(j, j + R/2) are two contiguous half loads."""
+(j, j + R/2) are two contiguous half loads. The pairs are a head tile (HALF_HEAD, the largest
+power of two not above R/2) and a tail tile (HALF_TAIL, 0 where R/2 is a power of two), as
+the row kernels' head and tail: at Dh 80 and 96 a single power-of-two tile left 37.5% and
+25% of its lanes as padding (launch.rotary_launch has the measurements)."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
+def _load_pairs(row, head_mask, first, half, rotary_dim, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """x1 and x2 of the pairs [first, first + WIDTH) of each head row, in float32."""
+    pair = first + tl.arange(0, WIDTH)[None, :]
+    if INTERLEAVED:
+        both = 2 * first + tl.arange(0, 2 * WIDTH)[None, :]
+        tile = tl.load(row + both, mask=head_mask & (both < rotary_dim), other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(tile, (tile.shape[0], WIDTH, 2)))
+    else:
+        mask = head_mask & (pair < half)
+        x1 = tl.load(row + pair, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + half + pair, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _weigh_pairs(x1, x2, weight, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """x1 and x2 times the norm weight of their dims."""
+    pair = first + tl.arange(0, WIDTH)[None, :]
+    if INTERLEAVED:
+        first_index, second_index = 2 * pair, 2 * pair + 1
+    else:
+        first_index, second_index = pair, half + pair
+    in_pair = pair < half
+    x1 = x1 * tl.load(weight + first_index, mask=in_pair, other=0.0).to(tl.float32)
+    x2 = x2 * tl.load(weight + second_index, mask=in_pair, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_pairs(out, head_mask, x1, x2, cos, sin, first, half, rotary_dim, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The pairs rotated by their cos/sin, stored where _load_pairs read them."""
+    out1 = (x1 * cos - x2 * sin).to(out.dtype.element_ty)
+    out2 = (x2 * cos + x1 * sin).to(out.dtype.element_ty)
+    pair = first + tl.arange(0, WIDTH)[None, :]
+    if INTERLEAVED:
+        both = 2 * first + tl.arange(0, 2 * WIDTH)[None, :]
+        tile = tl.reshape(tl.join(out1, out2), (out1.shape[0], 2 * WIDTH))
+        tl.store(out + both, tile, mask=head_mask & (both < rotary_dim))
+    else:
+        mask = head_mask & (pair < half)
+        tl.store(out + pair, out1, mask=mask)
+        tl.store(out + half + pair, out2, mask=mask)
+
+
+@triton.jit
 def _rotate_heads(
-    base, target, head_stride, heads, weight, cos, sin, head_size, rotary_dim, eps,
+    base, target, head_stride, heads, weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
     half = rotary_dim // 2
-    pair = tl.arange(0, BLOCK_HALF)[None, :]
     rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
     for first_head in range(0, heads, BLOCK_HEADS):
         head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
+        head_mask = head < heads
         row = base + head * head_stride
         out = target + head * head_stride
-        pair_mask = (head < heads) & (pair < half)
-        rest_mask = (head < heads) & (rest < head_size)
-        if INTERLEAVED:
-            both = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-            tile = tl.load(row + both, mask=(head < heads) & (both < rotary_dim), other=0.0).to(tl.float32)
-            x1, x2 = tl.split(tl.reshape(tile, (BLOCK_HEADS, BLOCK_HALF, 2)))
-            first_index, second_index = 2 * pair, 2 * pair + 1
-        else:
-            x1 = tl.load(row + pair, mask=pair_mask, other=0.0).to(tl.float32)
-            x2 = tl.load(row + half + pair, mask=pair_mask, other=0.0).to(tl.float32)
-            first_index, second_index = pair, half + pair
+        rest_mask = head_mask & (rest < head_size)
+        a1, a2 = _load_pairs(row, head_mask, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED)
+        if HALF_TAIL > 0:
+            b1, b2 = _load_pairs(row, head_mask, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED)
         if NORM:
             tail = tl.load(row + rest, mask=rest_mask, other=0.0).to(tl.float32)
-            squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(tail * tail, axis=1)
+            squares = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
+            if HALF_TAIL > 0:
+                squares += tl.sum(b1 * b1, axis=1) + tl.sum(b2 * b2, axis=1)
+            squares += tl.sum(tail * tail, axis=1)
             inverse_rms = tl.rsqrt(squares / head_size + eps)[:, None]
-            x1, x2, tail = x1 * inverse_rms, x2 * inverse_rms, tail * inverse_rms
+            a1, a2, tail = a1 * inverse_rms, a2 * inverse_rms, tail * inverse_rms
+            if HALF_TAIL > 0:
+                b1, b2 = b1 * inverse_rms, b2 * inverse_rms
             if HAS_WEIGHT:
-                in_pair = pair < half
-                x1 = x1 * tl.load(weight + first_index, mask=in_pair, other=0.0).to(tl.float32)
-                x2 = x2 * tl.load(weight + second_index, mask=in_pair, other=0.0).to(tl.float32)
+                a1, a2 = _weigh_pairs(a1, a2, weight, 0, half, HALF_HEAD, INTERLEAVED)
+                if HALF_TAIL > 0:
+                    b1, b2 = _weigh_pairs(b1, b2, weight, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
                 tail = tail * tl.load(weight + rest, mask=rest < head_size, other=0.0).to(tl.float32)
             tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask)
-        out1 = (x1 * cos - x2 * sin).to(target.dtype.element_ty)
-        out2 = (x2 * cos + x1 * sin).to(target.dtype.element_ty)
-        if INTERLEAVED:
-            both = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-            tile = tl.reshape(tl.join(out1, out2), (BLOCK_HEADS, 2 * BLOCK_HALF))
-            tl.store(out + both, tile, mask=(head < heads) & (both < rotary_dim))
-        else:
-            tl.store(out + pair, out1, mask=pair_mask)
-            tl.store(out + half + pair, out2, mask=pair_mask)
+        _store_pairs(out, head_mask, a1, a2, cos_h, sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED)
+        if HALF_TAIL > 0:
+            _store_pairs(out, head_mask, b1, b2, cos_t, sin_t, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED)
 
 
 @triton.jit
@@ -77,8 +117,8 @@ def rotary_kernel(
     tokens, head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-    SPLIT: tl.constexpr,
+    Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr,
+    BLOCK_REST: tl.constexpr, SPLIT: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)
     batch, token = program // tokens, program % tokens
@@ -87,11 +127,16 @@ def rotary_kernel(
         position = tl.load(positions + batch * positions_batch_stride + token * positions_token_stride).to(tl.int64)
     else:
         position = token + position_offset
-    pair = tl.arange(0, BLOCK_HALF)[None, :]
     half = rotary_dim // 2
     cache_row = cache + position * cache_row_stride
-    cos = tl.load(cache_row + pair, mask=pair < half, other=0.0).to(tl.float32)
-    sin = tl.load(cache_row + half + pair, mask=pair < half, other=0.0).to(tl.float32)
+    ph = tl.arange(0, HALF_HEAD)[None, :]
+    cos_h = tl.load(cache_row + ph, mask=ph < half, other=0.0).to(tl.float32)
+    sin_h = tl.load(cache_row + half + ph, mask=ph < half, other=0.0).to(tl.float32)
+    cos_t, sin_t = cos_h, sin_h
+    if HALF_TAIL > 0:
+        pt = HALF_HEAD + tl.arange(0, HALF_TAIL)[None, :]
+        cos_t = tl.load(cache_row + pt, mask=pt < half, other=0.0).to(tl.float32)
+        sin_t = tl.load(cache_row + half + pt, mask=pt < half, other=0.0).to(tl.float32)
     q_row = q + batch * q_batch_stride + token * q_token_stride
     q_target = q_out + batch * q_out_batch_stride + token * q_out_token_stride
     if HAS_K:
@@ -99,14 +144,14 @@ def rotary_kernel(
         k_target = k_out + batch * k_out_batch_stride + token * k_out_token_stride
     if SPLIT:  # (tokens, 2) programs; the launch code splits only calls with k
         if tl.program_id(1) == 0:
-            _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos, sin, head_size, rotary_dim, eps, NORM,
-                          HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+            _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
+                          eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST)
         else:
-            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos, sin, head_size, rotary_dim, eps, NORM,
-                          HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
+                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST)
     else:
-        _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos, sin, head_size, rotary_dim, eps, NORM,
-                      HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+        _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
+                      eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST)
         if HAS_K:
-            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos, sin, head_size, rotary_dim, eps, NORM,
-                          HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, BLOCK_HALF, BLOCK_REST)
+            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
+                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST)
