@@ -30,17 +30,22 @@ __device__ inline float group_sum(float value) {
 
 // Groups of any width up to a warp, starting at any lane (the rotary kernel's heads of Dh / 8
 // lanes): a fixed tree into the group's first lane, which every lane then reads, so all get
-// the identical sum. member: this lane's place in its group. Every lane of the warp must call
-// this.
-template <int GROUP>
-__device__ inline float lane_group_sum(float value, int member) {
+// the identical sum. N sums at once, step by step, so that their lane exchanges overlap
+// rather than wait on each other (a thread's ITEMS heads). member: this lane's place in its
+// group. Every lane of the warp must call this.
+template <int GROUP, int N>
+__device__ inline void lane_group_sums(float (&values)[N], int member) {
     static_assert(GROUP <= kWarpSize, "a group within one warp");
     const int lane = threadIdx.x % kWarpSize;
 #pragma unroll
     for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
         if (offset >= GROUP) continue;
-        const float other = shuffle(value, lane + offset);  // past the group (or the warp): read, not added
-        if (member + offset < GROUP) value += other;
+        float others[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) others[i] = shuffle(values[i], lane + offset);  // past the group (or the warp): read, not added
+#pragma unroll
+        for (int i = 0; i < N; ++i) values[i] += member + offset < GROUP ? others[i] : 0.0f;
     }
-    return shuffle(value, lane - member);
+#pragma unroll
+    for (int i = 0; i < N; ++i) values[i] = shuffle(values[i], lane - member);
 }

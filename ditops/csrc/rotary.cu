@@ -107,6 +107,23 @@ __global__ void __launch_bounds__(BLOCK) rotary(
         for (int e = 0; e < kChunk; ++e) w[e] = 1.0f;
     }
 
+    // Every head's sum of squares at once (lane_group_sums), then head by head.
+    float inverse_rms[ITEMS];
+    if (norm) {
+#pragma unroll
+        for (int item = 0; item < ITEMS; ++item) {
+            inverse_rms[item] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) {
+                const float value = word_element<T>(words[item], e);
+                inverse_rms[item] += value * value;
+            }
+        }
+        lane_group_sums<HEAD_THREADS>(inverse_rms, member);
+#pragma unroll
+        for (int item = 0; item < ITEMS; ++item) inverse_rms[item] = rsqrtf(inverse_rms[item] / head_size + eps);
+    }
+
     // The NeoX partner chunk lies R/2 / 8 lanes away in the same head.
     const int lane = threadIdx.x % kWarpSize, distance = half / kChunk;
     const int partner_lane = !rotated ? lane : first_half ? lane + distance : lane - distance;
@@ -116,12 +133,8 @@ __global__ void __launch_bounds__(BLOCK) rotary(
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) v[e] = word_element<T>(words[item], e);
         if (norm) {
-            float squares = 0.0f;
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) squares += v[e] * v[e];
-            const float inverse_rms = rsqrtf(lane_group_sum<HEAD_THREADS>(squares, member) / head_size + eps);
-#pragma unroll
-            for (int e = 0; e < kChunk; ++e) v[e] = v[e] * inverse_rms * w[e];
+            for (int e = 0; e < kChunk; ++e) v[e] = v[e] * inverse_rms[item] * w[e];
         }
         if (interleaved) {
             if (rotated) {  // pairs (2j, 2j + 1) lie inside one chunk
