@@ -203,10 +203,9 @@ def test_rotary_head_blocks(monkeypatch):
     assert launch.rotary_launch(96, 96, 16, 2, 2, 4096, ("cuda",))[:2] == (16, 16)  # bf16: 64 threads x 8 / 32 = 16 heads at least
     assert launch.rotary_launch(96, 96, 16, 2, 4, 4096, ("cuda",))[:2] == (16, 8)  # float32: 4 per 16 bytes
     assert launch.rotary_launch(64, 64, 16, 2, 2, 4096, ("cuda",))[:2] == (32, 32)  # 128 threads x 8 / 32 = 32 heads at least
-    # pairs as a head tile and a tail tile: 40 = 32 + 8, 48 = 32 + 16, 64 = 64 + none; 2 warps with a tail
-    assert [launch.rotary_launch(size, size, 16, 16, 2, 4096, ("cuda",))[2:6:3] for size in (80, 96, 128)] == [
-        (32, 2), (32, 2), (64, 4)]
-    assert [launch.rotary_launch(size, size, 16, 16, 2, 4096, ("cuda",)).half_tail for size in (80, 96, 128)] == [8, 16, 0]
+    # pairs as a head tile and a tail tile: 40 = 32 + 8, 48 = 32 + 16, 64 = 64 + none; tail_num_warps with a tail
+    tiles = [launch.rotary_launch(size, size, 16, 16, 2, 4096, ("cuda",)) for size in (80, 96, 128)]
+    assert [(t.half_head, t.half_tail, t.num_warps) for t in tiles] == [(32, 8, 2), (32, 16, 2), (64, 0, 4)]
     assert launch.rotary_launch(256, 112, 8, 0, 2, 4096, ("cuda",))[:2] == (8, 4)  # 384 values a head: the floor stays within a tile
     # q and k get a program each in calls of at most split_max_tokens tokens
     assert [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).split for tokens in (1, 512, 513)] == [True, True, False]

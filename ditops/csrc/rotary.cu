@@ -107,7 +107,8 @@ __global__ void __launch_bounds__(BLOCK) rotary(
         for (int e = 0; e < kChunk; ++e) w[e] = 1.0f;
     }
 
-    // Every head's sum of squares at once (lane_group_sums), then head by head.
+    // The norm: the sums of squares of this thread's heads reduced together (lane_group_sums:
+    // their lane exchanges overlap), then each head normalised in its turn below.
     float inverse_rms[ITEMS];
     if (norm) {
 #pragma unroll
