@@ -122,7 +122,6 @@ struct ModulationRow {
                             + static_cast<long long>(token / static_cast<int>(m.group_size)) * m.group_stride
                       : nullptr),
           scalar(m.dim_stride == 0) {}
-
 };
 
 // An integer tensor [B, S] (or [T], batch_stride 0) of any integer or bool dtype, read as
