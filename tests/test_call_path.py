@@ -5,6 +5,7 @@ import contextlib
 import gc
 import re
 import threading
+import types
 import weakref
 
 import pytest
@@ -81,6 +82,24 @@ def test_tensor_type_and_requires_grad_are_in_the_signature(counted_checks):
     assert len(counted_checks) == 5
 
 
+def test_a_call_that_passes_one_tensor_twice_finds_its_plan(counted_checks):
+    """TensorGuards refuses a tensor at two places; the plan's guard checks that the same
+    places hold one tensor again, so such calls reuse their plan, and calls with two tensors
+    there get their own plan (with results right for each)."""
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    twice = dict(arguments, shift=arguments["scale"])
+    expected = ditops.norm_scale_shift(**twice, backend="reference")
+    counted_checks.clear()
+    results = [ditops.norm_scale_shift(**twice) for _ in range(3)]
+    assert len(counted_checks) == 1
+    apart = ditops.norm_scale_shift(**dict(twice, shift=twice["scale"].clone()))
+    ditops.norm_scale_shift(**dict(twice, shift=torch.randn(2, 64)))
+    ditops.norm_scale_shift(**dict(twice, x=torch.randn(2, 5, 64)))  # a new x, one tensor twice again
+    assert len(counted_checks) == 2
+    torch.testing.assert_close(results[-1], expected)
+    torch.testing.assert_close(apart, results[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("variant", ["same", "other shape", "other strides", "other dtype", "requires grad",
                                      "parameter", "meta"])
 def test_the_python_guard_agrees_with_tensor_guards(variant):
@@ -155,6 +174,71 @@ def test_a_cached_call_runs_in_c_and_an_override_in_python(monkeypatch):
     with pytest.raises(ValueError, match="cos_sin_cache shares memory with q"):
         ditops.rope_(**dict(q_and_k, q=within_q[:384].view(6, 2, 32), cos_sin_cache=within_q[320:320 + cache.numel()].view(cache.shape)))
     assert len(runs) == calls
+
+
+@pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
+def test_calls_that_alternate_signatures_each_find_their_plan_in_c(monkeypatch):
+    """cached_call.c tries an op's last signature (PlanTable.last) before building the call's
+    key: calls that alternate two shapes, two eps values or grad modes each find their own
+    plan there, none goes back to Op.run, and each gets its own plan's result."""
+    base = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    calls = [base, example_arguments("norm_scale_shift", (2, 6, 64), torch.float32), dict(base, eps=1e-2)]
+    expected = [ditops.norm_scale_shift(**arguments, backend="reference") for arguments in calls]
+    for arguments in calls:  # builds the plans
+        ditops.norm_scale_shift(**arguments)
+    with torch.no_grad():
+        ditops.norm_scale_shift(**base)
+    runs = []
+    original = ops.Op.run
+    monkeypatch.setattr(ops.Op, "run", lambda self, arguments, backend: runs.append(backend) or original(self, arguments, backend))
+    for _ in range(2):
+        for arguments, want in zip(calls + calls[::-1], expected + expected[::-1]):
+            torch.testing.assert_close(ditops.norm_scale_shift(**arguments), want)
+            with torch.no_grad():
+                torch.testing.assert_close(ditops.norm_scale_shift(**base), expected[0])
+    assert runs == []
+
+
+@pytest.fixture
+def c_path_on_device_0():
+    """The C path configured as if device 0 were current, its stream ("stream", 0); restored after."""
+    from ditops.dispatch import device as device_module
+
+    def configure(current_device, current_stream):
+        ops.configure_cached_call(vars(dispatch.selector), device_module._simulation, torch.is_grad_enabled,
+                                  current_device, current_stream, ops._empty_like, ops._contiguous)
+
+    configure(lambda: 0, lambda index: ("stream", index))
+    yield
+    configure(ops._current_device, getattr(torch._C, "_cuda_getCurrentRawStream", None))
+
+
+@pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
+@pytest.mark.parametrize("hook", [None, "set"])
+def test_the_c_path_issues_a_bound_launch_from_its_template(c_path_on_device_0, hook):
+    """A plan's bound Triton launch as data (kernel_launch.bind's ``direct``) is issued by
+    cached_call.c: the template with the current stream and this call's data pointers at
+    their places. With a launch hook set it calls the plan's Python launcher instead."""
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
+    expected = ditops.norm_scale_shift(**arguments)  # builds the plan
+    launched = []
+    knobs = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print] if hook else []),
+                                  launch_exit_hook=None)
+    template = ("grid x", "grid y", "grid z", None, "function", "metadata", None, None, None, None, 7, None)
+    output_index = len(dispatch.signature.data_pointers(ops.ordered_arguments("norm_scale_shift", **arguments)[0]))
+    by_key = _plans()._by_key
+    (key,) = by_key
+    by_key[key] = tuple(entry[:5] + (entry[5]._replace(direct=(lambda *call: launched.append(call), 0, template,
+                                                                        ((9, 0), (11, output_index)), knobs, True)),)
+                        for entry in by_key[key])
+    x = arguments["x"].clone()
+    y = ditops.norm_scale_shift(**dict(arguments, x=x))
+    if hook:
+        assert launched == []
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    else:  # pointers: the tensor arguments' (x first), then the output's
+        assert launched == [("grid x", "grid y", "grid z", ("stream", 0), "function", "metadata", None, None, None,
+                             x.data_ptr(), 7, y.data_ptr())]
 
 
 @pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")

@@ -119,7 +119,7 @@ static PyObject *find(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *selector_globals, *simulation, *grad_enabled, *current_device, *current_stream, /* configure */
     *empty_like, *contiguous_format;
 static PyObject *n_scopes, *n_stack, *n_dispatcher, *n_env_forced, *n_plans, *n_by_key, *n_device,
-    *n_name, *n_scalars, *n_outputs, *n_shape, *n_calls, *n_enter_hook, *n_exit_hook, *n_count,
+    *n_name, *n_scalars, *n_outputs, *n_shape, *n_calls, *n_enter_hook, *n_exit_hook, *n_count, *n_last,
     *memory_format_kwnames;
 
 #define NOT_HERE do { PyErr_Clear(); result = Py_NewRef(Py_NotImplemented); goto done; } while (0)
@@ -136,40 +136,48 @@ static int hooked(PyObject *hook) {
 
 /* The bound Triton launch of kernel_launch.bind, issued from C: 1 launched, 0 not this way
  * (another device is current, or a launch hook is set: the Python launcher handles those),
- * -1 error. direct = (c_launcher, grid_x, grid_y, grid_z, device index, function, metadata,
- * indices, constants, runtime knobs). */
+ * -1 error. direct = (c_launcher, device index, template: the launcher's argument tuple with
+ * None for the stream (at 3) and the pointers, places: ((place in template, index in
+ * pointers), ...), runtime knobs, whether other devices are visible (else this one is current)). */
+#define STREAM_PLACE 3
 static int launch_direct(PyObject *direct, PyObject *pointers) {
-    PyObject *device_index = PyTuple_GET_ITEM(direct, 4);
-    PyObject *current = PyObject_CallNoArgs(current_device);
-    if (current == NULL) return -1;
-    int same = PyObject_RichCompareBool(current, device_index, Py_EQ);
-    Py_DECREF(current);
-    if (same <= 0) return same;
-    PyObject *knobs = PyTuple_GET_ITEM(direct, 9);
+    PyObject *device_index = PyTuple_GET_ITEM(direct, 1);
+    if (PyTuple_GET_ITEM(direct, 5) != Py_False) {
+        PyObject *current = PyObject_CallNoArgs(current_device);
+        if (current == NULL) return -1;
+        int same = PyObject_RichCompareBool(current, device_index, Py_EQ);
+        Py_DECREF(current);
+        if (same <= 0) return same;
+    }
+    PyObject *knobs = PyTuple_GET_ITEM(direct, 4);
     PyObject *enter = PyObject_GetAttr(knobs, n_enter_hook);
     PyObject *exit_ = PyObject_GetAttr(knobs, n_exit_hook);
     int any_hook = enter == NULL || exit_ == NULL || hooked(enter) || hooked(exit_);
     Py_XDECREF(enter); Py_XDECREF(exit_);
     PyErr_Clear();
     if (any_hook) return 0;
-    PyObject *indices = PyTuple_GET_ITEM(direct, 7), *constants = PyTuple_GET_ITEM(direct, 8);
-    Py_ssize_t count = PyTuple_GET_SIZE(indices), pointer_count = PyTuple_GET_SIZE(pointers);
-    PyObject *call = PyTuple_New(9 + count);
+    PyObject *template = PyTuple_GET_ITEM(direct, 2), *places = PyTuple_GET_ITEM(direct, 3);
+    Py_ssize_t size = PyTuple_GET_SIZE(template), pointer_count = PyTuple_GET_SIZE(pointers);
+    if (size <= STREAM_PLACE) {
+        PyErr_SetString(PyExc_IndexError, "cached_call: a bound launch's template is too short");
+        return -1;
+    }
+    PyObject *call = PyTuple_New(size);
     if (call == NULL) return -1;
+    for (Py_ssize_t i = 0; i < size; i++) PyTuple_SET_ITEM(call, i, Py_NewRef(PyTuple_GET_ITEM(template, i)));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(places); i++) {
+        PyObject *place = PyTuple_GET_ITEM(places, i);
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(place, 0)), index = PyLong_AsSsize_t(PyTuple_GET_ITEM(place, 1));
+        if (at <= STREAM_PLACE || at >= size || index < 0 || index >= pointer_count) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "cached_call: a bound launch's pointer place");
+            Py_DECREF(call);
+            return -1;
+        }
+        Py_SETREF(((PyTupleObject *)call)->ob_item[at], Py_NewRef(PyTuple_GET_ITEM(pointers, index)));
+    }
     PyObject *stream = PyObject_CallOneArg(current_stream, device_index);
     if (stream == NULL) { Py_DECREF(call); return -1; }
-    PyTuple_SET_ITEM(call, 0, Py_NewRef(PyTuple_GET_ITEM(direct, 1)));
-    PyTuple_SET_ITEM(call, 1, Py_NewRef(PyTuple_GET_ITEM(direct, 2)));
-    PyTuple_SET_ITEM(call, 2, Py_NewRef(PyTuple_GET_ITEM(direct, 3)));
-    PyTuple_SET_ITEM(call, 3, stream);
-    PyTuple_SET_ITEM(call, 4, Py_NewRef(PyTuple_GET_ITEM(direct, 5)));
-    PyTuple_SET_ITEM(call, 5, Py_NewRef(PyTuple_GET_ITEM(direct, 6)));
-    for (int i = 6; i < 9; i++) PyTuple_SET_ITEM(call, i, Py_NewRef(Py_None));
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, i));
-        PyObject *value = at < pointer_count ? PyTuple_GET_ITEM(pointers, at) : PyTuple_GET_ITEM(constants, at - pointer_count);
-        PyTuple_SET_ITEM(call, 9 + i, Py_NewRef(value));
-    }
+    Py_SETREF(((PyTupleObject *)call)->ob_item[STREAM_PLACE], stream);
     PyObject *launched = PyObject_Call(PyTuple_GET_ITEM(direct, 0), call, NULL);
     Py_DECREF(call);
     if (launched == NULL) return -1;
@@ -237,6 +245,17 @@ static PyObject *new_outputs(PyObject *op, PyObject *arguments) {
     return outputs;
 }
 
+/* Whether a call's key (selector.signature_key) would equal ``key`` but for its last item, the
+ * first argument's shape: the same grad mode, simulated device, argument types and non-tensor
+ * values (compared as the key's dict lookup compares them). 1, 0, or -1 on error. */
+static int same_but_shape(PyObject *key, PyObject *grad, PyObject *device, PyObject *types, PyObject *scalars) {
+    if (PyTuple_GET_ITEM(key, 2) != grad) return 0;
+    int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 3), device, Py_EQ);
+    if (same > 0) same = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 4), types, Py_EQ);
+    if (same > 0) same = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 5), scalars, Py_EQ);
+    return same;
+}
+
 static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyTuple_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "cached_call(op, arguments: tuple, backend)");
@@ -246,7 +265,7 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
     PyObject *op = args[0], *arguments = args[1];
     PyObject *result = NULL, *stack = NULL, *state = NULL, *flag = NULL, *grad = NULL, *device = NULL,
              *name = NULL, *scalars_of = NULL, *scalars = NULL, *types = NULL, *shape = NULL, *key = NULL,
-             *plans = NULL, *by_key = NULL, *entries = NULL, *found = NULL,
+             *plans = NULL, *by_key = NULL, *last = NULL, *entries = NULL, *found = NULL,
              *outputs = NULL, *values = NULL, *pointers = NULL, *done_launch = NULL, *direct = NULL;
     Py_ssize_t count = PyTuple_GET_SIZE(arguments);
     if (args[2] != Py_None || count == 0) NOT_HERE;
@@ -266,16 +285,34 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
     if ((types = PyTuple_New(count)) == NULL) goto done;
     for (Py_ssize_t i = 0; i < count; i++)
         PyTuple_SET_ITEM(types, i, Py_NewRef((PyObject *)Py_TYPE(PyTuple_GET_ITEM(arguments, i))));
-    if ((shape = PyObject_GetAttr(PyTuple_GET_ITEM(arguments, 0), n_shape)) == NULL) NOT_HERE;
-    /* selector.signature_key: (op, forced backend, grad mode, simulated device, types, scalars, shape) */
-    if ((key = PyTuple_Pack(7, name, Py_None, grad, device, types, scalars, shape)) == NULL) goto done;
-
-    if ((plans = PyObject_GetAttr(state, n_plans)) == NULL || (by_key = PyObject_GetAttr(plans, n_by_key)) == NULL)
+    if ((plans = PyObject_GetAttr(state, n_plans)) == NULL || (by_key = PyObject_GetAttr(plans, n_by_key)) == NULL ||
+        (last = PyObject_GetAttr(plans, n_last)) == NULL)
         goto done;
-    entries = Py_XNewRef(PyDict_GetItemWithError(by_key, key));
-    if (entries == NULL) NOT_HERE; /* no plan, or an unhashable scalar */
-    if ((found = search(entries, arguments)) == NULL) NOT_HERE; /* ops.py's path catches these too */
-    if (found == Py_None) NOT_HERE;
+    /* The op's last signature found here (PlanTable.last): where this call's key would equal
+     * it but for the shape, which every entry's guard checks, its entries are searched first,
+     * and building, hashing and comparing the key (a third of this function's time) is skipped. */
+    PyObject *memo = PyDict_GetItemWithError(last, name); /* borrowed: (key, entries) */
+    if (memo == NULL && PyErr_Occurred()) goto done;
+    int same = memo != NULL ? same_but_shape(PyTuple_GET_ITEM(memo, 0), grad, device, types, scalars) : 0;
+    if (same < 0) NOT_HERE;
+    if (same) {
+        entries = Py_NewRef(PyTuple_GET_ITEM(memo, 1));
+        if ((found = search(entries, arguments)) == NULL) NOT_HERE;
+        if (found == Py_None) Py_CLEAR(found); /* another shape, say: the key finds its entries */
+    }
+    if (found == NULL) {
+        Py_CLEAR(entries);
+        if ((shape = PyObject_GetAttr(PyTuple_GET_ITEM(arguments, 0), n_shape)) == NULL) NOT_HERE;
+        /* selector.signature_key: (op, forced backend, grad mode, simulated device, types, scalars, shape) */
+        if ((key = PyTuple_Pack(7, name, Py_None, grad, device, types, scalars, shape)) == NULL) goto done;
+        entries = Py_XNewRef(PyDict_GetItemWithError(by_key, key));
+        if (entries == NULL) NOT_HERE; /* no plan, or an unhashable scalar */
+        if ((found = search(entries, arguments)) == NULL) NOT_HERE; /* ops.py's path catches these too */
+        if (found == Py_None) NOT_HERE;
+        PyObject *remembered = PyTuple_Pack(2, key, entries);
+        if (remembered == NULL || PyDict_SetItem(last, name, remembered) < 0) { Py_XDECREF(remembered); goto done; }
+        Py_DECREF(remembered);
+    }
 
     /* ops.Plan is (implementation, launch, check_values, direct, spans); found is (plan, pointers) */
     PyObject *plan = PyTuple_GET_ITEM(found, 0), *read = PyTuple_GET_ITEM(found, 1);
@@ -294,13 +331,17 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
         goto done;
     }
     Py_ssize_t read_count = PyTuple_GET_SIZE(read), output_count = PyTuple_GET_SIZE(outputs);
-    if ((pointers = PyTuple_New(read_count + output_count)) == NULL) goto done;
-    for (Py_ssize_t i = 0; i < read_count; i++) PyTuple_SET_ITEM(pointers, i, Py_NewRef(PyTuple_GET_ITEM(read, i)));
-    for (Py_ssize_t i = 0; i < output_count; i++) {
-        PyObject *output = PyTuple_GET_ITEM(outputs, i);
-        PyObject *pointer = PyObject_VectorcallMethod(data_ptr_name, &output, 1, NULL);
-        if (pointer == NULL) goto done;
-        PyTuple_SET_ITEM(pointers, read_count + i, pointer);
+    if (output_count == 0) {
+        pointers = Py_NewRef(read); /* an in-place op: its arguments' pointers are all */
+    } else {
+        if ((pointers = PyTuple_New(read_count + output_count)) == NULL) goto done;
+        for (Py_ssize_t i = 0; i < read_count; i++) PyTuple_SET_ITEM(pointers, i, Py_NewRef(PyTuple_GET_ITEM(read, i)));
+        for (Py_ssize_t i = 0; i < output_count; i++) {
+            PyObject *output = PyTuple_GET_ITEM(outputs, i);
+            PyObject *pointer = PyObject_VectorcallMethod(data_ptr_name, &output, 1, NULL);
+            if (pointer == NULL) goto done;
+            PyTuple_SET_ITEM(pointers, read_count + i, pointer);
+        }
     }
     direct = Py_NewRef(PyTuple_GET_ITEM(plan, 3));
     int launched = direct != Py_None ? launch_direct(direct, pointers) : 0;
@@ -313,7 +354,7 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
 done:
     Py_XDECREF(stack); Py_XDECREF(state); Py_XDECREF(flag); Py_XDECREF(grad); Py_XDECREF(device);
     Py_XDECREF(name); Py_XDECREF(scalars_of); Py_XDECREF(scalars); Py_XDECREF(types); Py_XDECREF(shape);
-    Py_XDECREF(key); Py_XDECREF(plans); Py_XDECREF(by_key); Py_XDECREF(entries); Py_XDECREF(found);
+    Py_XDECREF(key); Py_XDECREF(plans); Py_XDECREF(by_key); Py_XDECREF(last); Py_XDECREF(entries); Py_XDECREF(found);
     Py_XDECREF(outputs); Py_XDECREF(values); Py_XDECREF(pointers);
     Py_XDECREF(done_launch); Py_XDECREF(direct);
     return result;
@@ -354,10 +395,10 @@ PyMODINIT_FUNC PyInit__cached_call(void) {
     data_ptr_name = PyUnicode_InternFromString("data_ptr");
     if (data_ptr_name == NULL) return NULL;
     PyObject **names[] = {&n_scopes, &n_stack, &n_dispatcher, &n_env_forced, &n_plans, &n_by_key, &n_device,
-                          &n_name, &n_scalars, &n_outputs, &n_shape, &n_calls, &n_enter_hook, &n_exit_hook, &n_count};
+                          &n_name, &n_scalars, &n_outputs, &n_shape, &n_calls, &n_enter_hook, &n_exit_hook, &n_count, &n_last};
     const char *texts[] = {"_scopes", "stack", "_dispatcher", "env_forced", "plans", "_by_key", "device",
                            "name", "scalars", "outputs", "shape", "calls", "launch_enter_hook", "launch_exit_hook",
-                           "count"};
+                           "count", "last"};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
         if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return NULL;
     if ((memory_format_kwnames = Py_BuildValue("(s)", "memory_format")) == NULL) return NULL;

@@ -62,12 +62,26 @@ def tensor_guard(tensors: tuple) -> Callable:
     """``check(*tensors) -> bool``: whether other tensors have these tensors' metadata."""
     if _TensorGuards is None:
         return _python_guard(tensors)
+    firsts = [i for i, t in enumerate(tensors) if not any(t is u for u in tensors[:i])]
+    unique = tuple(tensors[i] for i in firsts)
     # Concrete sizes and strides: None there would mean a dynamic dimension, left unchecked.
-    return _TensorGuards(
-        *tensors,
-        dynamic_dims_sizes=[list(t.shape) for t in tensors],
-        dynamic_dims_strides=[list(t.stride()) for t in tensors],
+    check = _TensorGuards(
+        *unique,
+        dynamic_dims_sizes=[list(t.shape) for t in unique],
+        dynamic_dims_strides=[list(t.stride()) for t in unique],
     ).check
+    if len(unique) == len(tensors):
+        return check
+    # TensorGuards refuses a tensor passed twice (Dynamo's guards are built on distinct
+    # tensors), so a call such as norm_scale_shift(x, m, m) would never find its plan. Its
+    # guard checks the distinct tensors, and that each repeat is again the same tensor.
+    repeats = [(i, next(j for j in firsts if tensors[j] is tensors[i])) for i in range(len(tensors)) if i not in firsts]
+    firsts_of = operator.itemgetter(*firsts) if len(firsts) > 1 else (lambda call: (call[firsts[0]],))
+
+    def check_with_repeats(*call) -> bool:
+        return all(call[i] is call[j] for i, j in repeats) and check(*firsts_of(call))
+
+    return check_with_repeats
 
 
 def _low_bits(tensors: tuple) -> tuple:
@@ -103,6 +117,10 @@ class PlanTable:
 
     def __init__(self) -> None:
         self._by_key: dict = {}  # key -> tuple of entries (see find), in insertion order
+        # op name -> (key, entries) of its last call found by cached_call.c, which checks a call
+        # against it before building the call's key; entries are only ever added to a key, and
+        # plans of a stale key are still right (a new configuration makes a new table).
+        self.last: dict = {}
         self._count = 0
         self._lock = threading.Lock()
 
