@@ -3,7 +3,8 @@
  * attribute reads were most of the host time above the kernel launch.
  *
  * cached_call(op, arguments, backend) -> the op's outputs, or NotImplemented: the call
- *   signature's key (selector.signature_key), the plan (find below), the plan's per-call
+ *   signature's key (selector.signature_key; not built where the op's last signature found
+ *   here, PlanTable.last, holds the call's plan), the plan (find below), the plan's per-call
  *   checks (an in-place op's aliasing check on its spans here, the Python check where they
  *   may overlap or there is more to check), the outputs (ops._LikeX: allocated here), and the
  *   launch: a Triton launch bound by kernel_launch.bind is issued from here (the plan's
@@ -265,7 +266,7 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
     PyObject *op = args[0], *arguments = args[1];
     PyObject *result = NULL, *stack = NULL, *state = NULL, *flag = NULL, *grad = NULL, *device = NULL,
              *name = NULL, *scalars_of = NULL, *scalars = NULL, *types = NULL, *shape = NULL, *key = NULL,
-             *plans = NULL, *by_key = NULL, *last = NULL, *entries = NULL, *found = NULL,
+             *plans = NULL, *by_key = NULL, *last = NULL, *memo = NULL, *entries = NULL, *found = NULL,
              *outputs = NULL, *values = NULL, *pointers = NULL, *done_launch = NULL, *direct = NULL;
     Py_ssize_t count = PyTuple_GET_SIZE(arguments);
     if (args[2] != Py_None || count == 0) NOT_HERE;
@@ -291,7 +292,8 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
     /* The op's last signature found here (PlanTable.last): where this call's key would equal
      * it but for the shape, which every entry's guard checks, its entries are searched first,
      * and building, hashing and comparing the key (a third of this function's time) is skipped. */
-    PyObject *memo = PyDict_GetItemWithError(last, name); /* borrowed: (key, entries) */
+    /* held: comparing may run Python code, where another thread may replace it */
+    memo = Py_XNewRef(PyDict_GetItemWithError(last, name)); /* (key, entries) */
     if (memo == NULL && PyErr_Occurred()) goto done;
     int same = memo != NULL ? same_but_shape(PyTuple_GET_ITEM(memo, 0), grad, device, types, scalars) : 0;
     if (same < 0) NOT_HERE;
@@ -354,7 +356,7 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
 done:
     Py_XDECREF(stack); Py_XDECREF(state); Py_XDECREF(flag); Py_XDECREF(grad); Py_XDECREF(device);
     Py_XDECREF(name); Py_XDECREF(scalars_of); Py_XDECREF(scalars); Py_XDECREF(types); Py_XDECREF(shape);
-    Py_XDECREF(key); Py_XDECREF(plans); Py_XDECREF(by_key); Py_XDECREF(last); Py_XDECREF(entries); Py_XDECREF(found);
+    Py_XDECREF(key); Py_XDECREF(plans); Py_XDECREF(by_key); Py_XDECREF(last); Py_XDECREF(memo); Py_XDECREF(entries); Py_XDECREF(found);
     Py_XDECREF(outputs); Py_XDECREF(values); Py_XDECREF(pointers);
     Py_XDECREF(done_launch); Py_XDECREF(direct);
     return result;
