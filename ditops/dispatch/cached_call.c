@@ -3,8 +3,8 @@
  * attribute reads were most of the host time above the kernel launch.
  *
  * cached_call(op, arguments, backend) -> the op's outputs, or NotImplemented: the call
- *   signature's key (selector.signature_key; not built where the op's last signature found
- *   here, PlanTable.last, holds the call's plan), the plan (find below), the plan's per-call
+ *   signature's key (selector.signature_key; not built where one of the op's last signatures
+ *   found here, PlanTable.last, holds the call's plan), the plan (find below), the plan's per-call
  *   checks (an in-place op's aliasing check on its spans here, the Python check where they
  *   may overlap or there is more to check), the outputs (ops._LikeX: allocated here), and the
  *   launch: a Triton launch bound by kernel_launch.bind is issued from here (the plan's
@@ -257,6 +257,29 @@ static int same_but_shape(PyObject *key, PyObject *grad, PyObject *device, PyObj
     return same;
 }
 
+/* PlanTable.last[name] = ((key, entries), then the older signatures but one with this key),
+ * at most MEMO_SIGNATURES. 0, or -1 on error. */
+#define MEMO_SIGNATURES 4
+static int remember(PyObject *last, PyObject *name, PyObject *memo, PyObject *key, PyObject *entries) {
+    PyObject *newest = PyTuple_Pack(2, key, entries), *kept[MEMO_SIGNATURES];
+    if (newest == NULL) return -1;
+    Py_ssize_t count = 0;
+    kept[count++] = newest;
+    for (Py_ssize_t i = 0; memo != NULL && i < PyTuple_GET_SIZE(memo) && count < MEMO_SIGNATURES; i++) {
+        PyObject *older = PyTuple_GET_ITEM(memo, i);
+        int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(older, 0), key, Py_EQ);
+        if (same < 0) { Py_DECREF(newest); return -1; }
+        if (!same) kept[count++] = older;
+    }
+    PyObject *signatures = PyTuple_New(count);
+    if (signatures == NULL) { Py_DECREF(newest); return -1; }
+    PyTuple_SET_ITEM(signatures, 0, newest); /* steals */
+    for (Py_ssize_t i = 1; i < count; i++) PyTuple_SET_ITEM(signatures, i, Py_NewRef(kept[i]));
+    int status = PyDict_SetItem(last, name, signatures);
+    Py_DECREF(signatures);
+    return status;
+}
+
 static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyTuple_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "cached_call(op, arguments: tuple, backend)");
@@ -289,21 +312,21 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
     if ((plans = PyObject_GetAttr(state, n_plans)) == NULL || (by_key = PyObject_GetAttr(plans, n_by_key)) == NULL ||
         (last = PyObject_GetAttr(plans, n_last)) == NULL)
         goto done;
-    /* The op's last signature found here (PlanTable.last): where this call's key would equal
-     * it but for the shape, which every entry's guard checks, its entries are searched first,
-     * and building, hashing and comparing the key (a third of this function's time) is skipped. */
-    /* held: comparing may run Python code, where another thread may replace it */
-    memo = Py_XNewRef(PyDict_GetItemWithError(last, name)); /* (key, entries) */
+    /* The op's last signatures found here (PlanTable.last), newest first: where this call's
+     * key would equal one but for the shape, which every entry's guard checks, that one's
+     * entries are searched, and building, hashing and comparing the key (a third of this
+     * function's time) is skipped. Several, for a model that alternates shapes (FLUX's image
+     * and text streams); a hit leaves their order as it is (reordering costs every call). */
+    memo = Py_XNewRef(PyDict_GetItemWithError(last, name)); /* held: comparing may run Python code */
     if (memo == NULL && PyErr_Occurred()) goto done;
-    int same = memo != NULL ? same_but_shape(PyTuple_GET_ITEM(memo, 0), grad, device, types, scalars) : 0;
-    if (same < 0) NOT_HERE;
-    if (same) {
-        entries = Py_NewRef(PyTuple_GET_ITEM(memo, 1));
-        if ((found = search(entries, arguments)) == NULL) NOT_HERE;
-        if (found == Py_None) Py_CLEAR(found); /* another shape, say: the key finds its entries */
+    for (Py_ssize_t i = 0; memo != NULL && found == NULL && i < PyTuple_GET_SIZE(memo); i++) {
+        PyObject *remembered = PyTuple_GET_ITEM(memo, i); /* (key, entries) */
+        int same = same_but_shape(PyTuple_GET_ITEM(remembered, 0), grad, device, types, scalars);
+        if (same < 0) NOT_HERE;
+        if (same && (found = search(PyTuple_GET_ITEM(remembered, 1), arguments)) == NULL) NOT_HERE;
+        if (found == Py_None) Py_CLEAR(found); /* another shape, say */
     }
     if (found == NULL) {
-        Py_CLEAR(entries);
         if ((shape = PyObject_GetAttr(PyTuple_GET_ITEM(arguments, 0), n_shape)) == NULL) NOT_HERE;
         /* selector.signature_key: (op, forced backend, grad mode, simulated device, types, scalars, shape) */
         if ((key = PyTuple_Pack(7, name, Py_None, grad, device, types, scalars, shape)) == NULL) goto done;
@@ -311,9 +334,7 @@ static PyObject *cached_call(PyObject *module, PyObject *const *args, Py_ssize_t
         if (entries == NULL) NOT_HERE; /* no plan, or an unhashable scalar */
         if ((found = search(entries, arguments)) == NULL) NOT_HERE; /* ops.py's path catches these too */
         if (found == Py_None) NOT_HERE;
-        PyObject *remembered = PyTuple_Pack(2, key, entries);
-        if (remembered == NULL || PyDict_SetItem(last, name, remembered) < 0) { Py_XDECREF(remembered); goto done; }
-        Py_DECREF(remembered);
+        if (remember(last, name, memo, key, entries) < 0) goto done;
     }
 
     /* ops.Plan is (implementation, launch, check_values, direct, spans); found is (plan, pointers) */

@@ -117,9 +117,10 @@ class PlanTable:
 
     def __init__(self) -> None:
         self._by_key: dict = {}  # key -> tuple of entries (see find), in insertion order
-        # op name -> (key, entries) of its last call found by cached_call.c, which checks a call
-        # against it before building the call's key; entries are only ever added to a key, and
-        # plans of a stale key are still right (a new configuration makes a new table).
+        # op name -> ((key, entries), ...): the last few signatures that cached_call.c found for
+        # the op, newest first, which it checks a call against before building the call's key;
+        # entries are only ever added to a key, and plans of a stale key are still right (a new
+        # configuration makes a new table).
         self.last: dict = {}
         self._count = 0
         self._lock = threading.Lock()
