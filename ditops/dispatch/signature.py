@@ -76,7 +76,7 @@ def tensor_guard(tensors: tuple) -> Callable:
     # tensors), so a call such as norm_scale_shift(x, m, m) would never find its plan. Its
     # guard checks the distinct tensors, and that each repeat is again the same tensor.
     repeats = [(i, next(j for j in firsts if tensors[j] is tensors[i])) for i in range(len(tensors)) if i not in firsts]
-    firsts_of = operator.itemgetter(*firsts) if len(firsts) > 1 else (lambda call: (call[firsts[0]],))
+    firsts_of = _getter(firsts)
 
     def check_with_repeats(*call) -> bool:
         return all(call[i] is call[j] for i, j in repeats) and check(*firsts_of(call))

@@ -37,6 +37,7 @@ def trace(launch: KernelLaunch) -> None:
 
 
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+_LEAD = 9  # the C launcher's arguments before the kernel's: grid (3), stream, function, metadata, 3 launch hooks
 
 
 def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Callable[[tuple, tuple], None]]:
@@ -113,9 +114,6 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
     # With one visible device that device is always current: C skips asking (0.1 us a call).
     launcher.direct = (c_launcher, device_index, template, tuple(places), hooks, torch.cuda.device_count() > 1)
     return launcher
-
-
-_LEAD = 9  # the C launcher's arguments before the kernel's: grid (3), stream, function, metadata, 3 launch hooks
 
 
 def _hooked(enter_hook, exit_hook) -> bool:
