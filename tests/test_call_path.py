@@ -201,25 +201,29 @@ def test_calls_that_alternate_signatures_each_find_their_plan_in_c(monkeypatch):
 
 
 @pytest.fixture
-def c_path_on_device_0():
-    """The C path configured as if device 0 were current, its stream ("stream", 0); restored after."""
+def c_path_on_device():
+    """configure(current device index): the C path configured as if that device were current,
+    its streams ("stream", index); restored after."""
     from ditops.dispatch import device as device_module
 
     def configure(current_device, current_stream):
         ops.configure_cached_call(vars(dispatch.selector), device_module._simulation, torch.is_grad_enabled,
                                   current_device, current_stream, ops._empty_like, ops._contiguous)
 
-    configure(lambda: 0, lambda index: ("stream", index))
-    yield
+    yield lambda index: configure(lambda: index, lambda index: ("stream", index))
     configure(ops._current_device, getattr(torch._C, "_cuda_getCurrentRawStream", None))
 
 
 @pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
-@pytest.mark.parametrize("hook", [None, "set"])
-def test_the_c_path_issues_a_bound_launch_from_its_template(c_path_on_device_0, hook):
+@pytest.mark.parametrize("hook, current, devices", [(None, 0, 2), ("set", 0, 2), (None, 1, 2), (None, 1, 1)],
+                         ids=["direct", "hook set", "another device current", "one visible device"])
+def test_the_c_path_issues_a_bound_launch_from_its_template(c_path_on_device, hook, current, devices):
     """A plan's bound Triton launch as data (kernel_launch.bind's ``direct``) is issued by
     cached_call.c: the template with the current stream and this call's data pointers at
-    their places. With a launch hook set it calls the plan's Python launcher instead."""
+    their places. With a launch hook set, or another device current, it calls the plan's
+    Python launcher instead, which handles both; where the plan's device is the only one
+    visible it is current, and C does not ask."""
+    c_path_on_device(current)
     arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
     expected = ditops.norm_scale_shift(**arguments)  # builds the plan
     launched = []
@@ -230,11 +234,12 @@ def test_the_c_path_issues_a_bound_launch_from_its_template(c_path_on_device_0, 
     by_key = _plans()._by_key
     (key,) = by_key
     by_key[key] = tuple(entry[:5] + (entry[5]._replace(direct=(lambda *call: launched.append(call), 0, template,
-                                                                        ((9, 0), (11, output_index)), knobs, True)),)
+                                                                        ((9, 0), (11, output_index)), knobs,
+                                                                        devices > 1)),)
                         for entry in by_key[key])
     x = arguments["x"].clone()
     y = ditops.norm_scale_shift(**dict(arguments, x=x))
-    if hook:
+    if hook or (current != 0 and devices > 1):
         assert launched == []
         torch.testing.assert_close(y, expected, rtol=0, atol=0)
     else:  # pointers: the tensor arguments' (x first), then the output's

@@ -40,7 +40,10 @@ def outputs(op, arguments, result):
 
 def runnable_arguments(op, backend, device):
     """The op's arguments on ``device`` in a parameter dtype the backend takes (the cuda backend
-    takes one only); skips where the backend cannot run here."""
+    takes one only); skips where the backend cannot run here. ``backend`` None: no override,
+    so that a call whose plan exists runs the C path (dispatch/cached_call.c)."""
+    if backend is None:
+        return arguments_on(op, device, torch.float32)
     reason = conformance.unavailable_reason(backend, device)
     if reason:
         pytest.skip(f"{backend} cannot run on {device}: {reason}")
@@ -52,9 +55,10 @@ def runnable_arguments(op, backend, device):
 
 
 @pytest.mark.parametrize("data, current", [(1, 0), (0, 1)], ids=["tensors_on_1", "tensors_on_0"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + [None], ids=BACKENDS + ["auto"])
 @pytest.mark.parametrize("op", OPS)
 def test_launch_follows_the_tensors_device_and_stream(op, backend, data, current):
+    """backend "auto": the expected call builds the plan, so the poisoned call runs the C path."""
     source = runnable_arguments(op, backend, f"cuda:{data}")
     clone = lambda: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in source.items()}  # noqa: E731
 
