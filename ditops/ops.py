@@ -17,8 +17,9 @@ An eager call of an op:
 Everything a plan assumes is in its key, so a call that would fail validation never finds
 a plan: it builds one, and fails there. The plan table is bounded and shared by threads.
 A call whose plan exists and that no override touches runs steps 1-4 in C
-(dispatch/cached_call.c, which also issues a bound Triton launch itself); ``Op.run`` below is
-the same path in Python, which builds plans, serves overrides and raises every error.
+(dispatch/cached_call.c, which tries the op's last few signatures before building a key and
+issues a bound Triton launch itself); ``Op.run`` below is the same path in Python, which
+builds plans, serves overrides and raises every error.
 
 Under torch.compile the public functions emit graph nodes instead (``Op.__call__``), and
 Dynamo reads nothing of the registry. An op on a GPU becomes ``<op>_traced``, a functional
