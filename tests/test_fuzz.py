@@ -208,28 +208,35 @@ def describe_call(op: str, arguments: dict, backend) -> str:
 
 
 def run_fuzz_case(seed: int, index: int, backend) -> tuple:
-    """("pass" | "refused" | "fail" | "skip", detail) for one case on one backend (None: automatic)."""
+    """("pass" | "refused" | "fail" | "skip", detail) for one case on one backend (None: automatic).
+    The automatic choice runs the case twice, on fresh arguments: the first call builds its
+    plan, the second finds it (the cached call, in C where dispatch/cached_call.c was built)."""
     op, dtype, arguments = fuzz_case(seed, index)
     if INTERPRETED and dtype == torch.bfloat16 and op in STORED_INTERMEDIATE:
         return "skip", "interpreter rounding"
     expected = conformance.oracle(op, arguments, dtype)
-    _poison_allocator(arguments)
-    try:
-        result = PUBLIC[op](**arguments, backend=backend)
-    except ditops.BackendUnavailable as error:
-        if backend is None:  # the reference always accepts: automatic dispatch never refuses
-            return "fail", f"automatic dispatch refused: {error}"
-        return "refused", str(error).splitlines()[0]
-    except Exception as error:  # a crash on valid input is a failure, reported with the call
-        return "fail", f"raised {type(error).__name__}: {error}"
-    if op in ("qk_norm_rope_", "rope_"):
-        actual = tuple(t for t in (arguments["q"], arguments["k"]) if t is not None)
-    else:
-        actual = result if isinstance(result, tuple) else (result,)
-    names = conformance.OUTPUT_NAMES[op]
-    factor = conditioning(op, arguments, expected)
-    problems = [p for name, a, e in zip(names, actual, expected) if (p := conformance.compare(name, a, e, dtype, factor))]
-    return ("fail", "; ".join(problems)) if problems else ("pass", "")
+    for call in ("first call", "cached call")[:1 if backend is not None else 2]:
+        if call == "cached call":
+            arguments = fuzz_case(seed, index)[2]
+        _poison_allocator(arguments)
+        try:
+            result = PUBLIC[op](**arguments, backend=backend)
+        except ditops.BackendUnavailable as error:
+            if backend is None:  # the reference always accepts: automatic dispatch never refuses
+                return "fail", f"automatic dispatch refused: {error}"
+            return "refused", str(error).splitlines()[0]
+        except Exception as error:  # a crash on valid input is a failure, reported with the call
+            return "fail", f"{call} raised {type(error).__name__}: {error}"
+        if op in ("qk_norm_rope_", "rope_"):
+            actual = tuple(t for t in (arguments["q"], arguments["k"]) if t is not None)
+        else:
+            actual = result if isinstance(result, tuple) else (result,)
+        names = conformance.OUTPUT_NAMES[op]
+        factor = conditioning(op, arguments, expected)
+        problems = [p for name, a, e in zip(names, actual, expected) if (p := conformance.compare(name, a, e, dtype, factor))]
+        if problems:
+            return "fail", f"{call}: " + "; ".join(problems)
+    return "pass", ""
 
 
 def conditioning(op: str, arguments: dict, expected: tuple) -> float:
