@@ -43,6 +43,13 @@ def _power_of_two_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def _head_and_tail(n: int) -> tuple:
+    """n (>= 1) values as a head tile, the largest power of two not above n, and a tail tile,
+    the next power of two of what is left (0 where nothing is): no tile more than half padding."""
+    head = _power_of_two_at_most(n)
+    return head, triton.next_power_of_2(n - head) if n > head else 0
+
+
 class RowLaunch(NamedTuple):
     block: int  # the head tile: the largest power of two not above D
     tail: int  # the tail tile: the next power of two of D - block (1, all masked, where D is one)
@@ -60,8 +67,8 @@ def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     rows_per_program, which set how a row is reduced, depend on D and the device alone;
     early_loads and the row loop (row_grid), which only reorder loads and programs, also on
     the number of rows."""
-    block = _power_of_two_at_most(hidden)
-    tail = triton.next_power_of_2(hidden - block) if hidden > block else 1
+    block, tail = _head_and_tail(hidden)
+    tail = tail or 1  # the row kernels always have a tail tile: all masked here
     early_loads = rows <= _entry("early_loads_max_rows", owners)
     for entry in _entry(kernel, owners):
         if hidden <= entry["max_hidden"]:
@@ -132,9 +139,7 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
     tokens give q and k a program each (split), which only spreads the same operations over
     more programs."""
     entry = _entry("rotary", owners)
-    half = rotary_dim // 2
-    half_head = _power_of_two_at_most(half)
-    half_tail = triton.next_power_of_2(half - half_head) if half > half_head else 0
+    half_head, half_tail = _head_and_tail(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
     per_head = 2 * (half_head + half_tail) + (block_rest if head_size > rotary_dim else 0)
     fitting = _power_of_two_at_most(max(1, entry["tile_elements"] // per_head))

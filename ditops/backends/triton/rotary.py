@@ -38,6 +38,15 @@ def _load_pairs(row, head_mask, first, half, rotary_dim, WIDTH: tl.constexpr, IN
 
 
 @triton.jit
+def _cos_sin(cache_row, first, half, WIDTH: tl.constexpr):
+    """The cos and sin of the pairs [first, first + WIDTH) at a position, in float32."""
+    pair = first + tl.arange(0, WIDTH)[None, :]
+    cos = tl.load(cache_row + pair, mask=pair < half, other=0.0).to(tl.float32)
+    sin = tl.load(cache_row + half + pair, mask=pair < half, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _weigh_pairs(x1, x2, weight, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
     """x1 and x2 times the norm weight of their dims."""
     pair = first + tl.arange(0, WIDTH)[None, :]
@@ -129,14 +138,10 @@ def rotary_kernel(
         position = token + position_offset
     half = rotary_dim // 2
     cache_row = cache + position * cache_row_stride
-    ph = tl.arange(0, HALF_HEAD)[None, :]
-    cos_h = tl.load(cache_row + ph, mask=ph < half, other=0.0).to(tl.float32)
-    sin_h = tl.load(cache_row + half + ph, mask=ph < half, other=0.0).to(tl.float32)
+    cos_h, sin_h = _cos_sin(cache_row, 0, half, HALF_HEAD)
     cos_t, sin_t = cos_h, sin_h
     if HALF_TAIL > 0:
-        pt = HALF_HEAD + tl.arange(0, HALF_TAIL)[None, :]
-        cos_t = tl.load(cache_row + pt, mask=pt < half, other=0.0).to(tl.float32)
-        sin_t = tl.load(cache_row + half + pt, mask=pt < half, other=0.0).to(tl.float32)
+        cos_t, sin_t = _cos_sin(cache_row, HALF_HEAD, half, HALF_TAIL)
     q_row = q + batch * q_batch_stride + token * q_token_stride
     q_target = q_out + batch * q_out_batch_stride + token * q_out_token_stride
     if HAS_K:
