@@ -4,7 +4,8 @@ A ``Case`` builds the keyword arguments of one public op (fresh random inputs fo
 dtype). ``run_case`` calls one backend's implementation directly on outputs poisoned
 with NaN, compares every output with the oracle under OPS.md's tolerances, then calls
 the public op with that backend forced on freshly built identical inputs and requires
-bitwise the same outputs (the dispatch path and run-to-run determinism). A backend that
+bitwise the same outputs (the dispatch path and run-to-run determinism); where dispatch picks
+that backend by itself, so do the public op's first automatic call and its cached second one. A backend that
 cannot run here, or refuses the case, is skipped with its reason.
 
 The cases are real model shapes of OPS.md scaled down (fewer tokens and heads, real D
@@ -24,6 +25,7 @@ import torch
 
 from .backends import reference
 from .dispatch import device_info, dispatcher
+from .dispatch.selector import choose
 from .examples import HeadSpec, RowSpec, build
 from .ops import OPS, PUBLIC, ordered_arguments
 
@@ -240,8 +242,10 @@ def _bitwise_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
     return torch.equal(first.isnan(), second.isnan()) and torch.equal(first.nan_to_num(), second.nan_to_num())
 
 
-def run_case(case: Case, backend: str, dtype: torch.dtype, device="cpu") -> Outcome:
-    """Checks one backend on one case and dtype (see the module docstring)."""
+def run_case(case: Case, backend: str, dtype: torch.dtype, device="cpu", automatic: bool = True) -> Outcome:
+    """Checks one backend on one case and dtype (see the module docstring). ``automatic``: where
+    dispatch picks this backend's implementation by itself, the public op without an override
+    must give the same bits too, on its first call and on its cached second call."""
     op = case.op
     implementations = implementations_of(op, backend)
     if not implementations:
@@ -266,12 +270,18 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device="cpu") -> Outc
     names = OUTPUT_NAMES[op]
     problems = [problem for name, a, e in zip(names, actual, expected) if (problem := compare(name, a, e, dtype))]
 
-    again = case.arguments(dtype, device)
-    public = PUBLIC[op](**again, backend=backend)
-    public = _results(op, again, public if isinstance(public, tuple) else (public,))
-    for name, first, second in zip(names, actual, public):
-        if not _bitwise_equal(first, second):
-            problems.append(f"{name}: the public op with backend={backend!r} is not bitwise equal to the direct call")
+    calls = [(f"the public op with backend={backend!r}", {"backend": backend})]
+    if automatic and features is not None and choose(op, features) is implementation:
+        # What dispatch picks by itself: the first such call builds its plan, the second finds it
+        # (the cached call, in C where dispatch/cached_call.c was built), as users' calls run.
+        calls += [(f"the {which} automatic call of the public op", {}) for which in ("first", "second")]
+    for described, override in calls:
+        again = case.arguments(dtype, device)
+        public = PUBLIC[op](**again, **override)
+        public = _results(op, again, public if isinstance(public, tuple) else (public,))
+        for name, first, second in zip(names, actual, public):
+            if not _bitwise_equal(first, second):
+                problems.append(f"{name}: {described} is not bitwise equal to the direct call")
     return Outcome("fail", "; ".join(problems)) if problems else Outcome("pass")
 
 

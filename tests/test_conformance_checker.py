@@ -1,5 +1,6 @@
 """The conformance checker itself must catch wrong implementations (tests/broken_registry.yaml)."""
 
+import functools
 import inspect
 
 import pytest
@@ -31,6 +32,31 @@ def test_small_errors_fail_where_the_tolerance_is_tighter(broken_backends, dtype
     outcome = conformance.run_case(CASE, "sloppy", dtype)
     assert outcome.status == "fail"
     assert "elements off by more than" in outcome.detail
+
+
+def test_a_cached_automatic_call_with_other_bits_fails(monkeypatch):
+    """Where dispatch picks the backend by itself (the reference, for CPU tensors), the public
+    op runs twice without an override (the call that builds its plan, then the cached one) and
+    each must give the direct call's bits."""
+    automatic = []
+    public = PUBLIC[CASE.op]
+
+    @functools.wraps(public)  # its signature too, which conformance binds arguments to
+    def second_automatic_call_off(**arguments):
+        result = public(**arguments)
+        if "backend" not in arguments:
+            automatic.append(result)
+            if len(automatic) == 2:
+                result = torch.nextafter(result, torch.full_like(result, float("inf")))
+        return result
+
+    monkeypatch.setitem(conformance.PUBLIC, CASE.op, second_automatic_call_off)
+    assert conformance.run_case(CASE, "reference", torch.float32, automatic=False).status == "pass"
+    assert automatic == []
+    outcome = conformance.run_case(CASE, "reference", torch.float32)
+    assert len(automatic) == 2
+    assert outcome.status == "fail"
+    assert outcome.detail == "y: the second automatic call of the public op is not bitwise equal to the direct call"
 
 
 def test_every_op_has_cases_with_the_required_variety():

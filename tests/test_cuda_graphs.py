@@ -1,5 +1,7 @@
 """CUDA-graph capture and replay give the eager results, for every op and every backend that
-runs on this GPU (kernels launch on the current stream and allocate nothing host-side)."""
+runs on this GPU (kernels launch on the current stream and allocate nothing host-side), and
+for the automatic choice: its captured call is a cached call (the warm-up built its plan),
+which reads the capturing stream in C (dispatch/cached_call.c)."""
 
 import pytest
 import torch
@@ -25,10 +27,10 @@ def fresh(op, seed):
     return example_arguments(op, SHAPES[op], torch.bfloat16, "cuda", seed=seed, param_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("backend", conformance.backends())
+@pytest.mark.parametrize("backend", [*conformance.backends(), None], ids=lambda backend: backend or "auto")
 @pytest.mark.parametrize("op", OPS)
 def test_graph_replay_matches_eager(op, backend):
-    if conformance.unavailable_reason(backend, "cuda"):
+    if backend is not None and conformance.unavailable_reason(backend, "cuda"):
         pytest.skip(conformance.unavailable_reason(backend, "cuda"))
     static = fresh(op, seed=1)
     side = torch.cuda.Stream()

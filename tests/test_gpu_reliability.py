@@ -1,5 +1,6 @@
 """Reliability on a real GPU, for every op and every kernel backend that runs here (triton,
-cuda), through the public API:
+cuda), and for the automatic choice (no override: after a signature's first call, the cached
+call in C, dispatch/cached_call.c, as users' calls run), through the public API:
 
 - 8 threads, each on its own stream, running mixed shapes and dtypes against a cold plan
   cache, give bitwise the single-thread results;
@@ -36,10 +37,11 @@ from test_fuzz import record  # noqa: E402
 OPS = sorted(PUBLIC)
 ROPE = ("qk_norm_rope_", "rope_")
 KERNEL_BACKENDS = [b for b in ("triton", "cuda") if b in conformance.backends()]
+BACKENDS = pytest.mark.parametrize("backend", [*KERNEL_BACKENDS, None], ids=lambda backend: backend or "auto")
 
 
 def runnable(backend):
-    reason = conformance.unavailable_reason(backend, "cuda")
+    reason = conformance.unavailable_reason(backend, "cuda") if backend is not None else None
     if reason:
         pytest.skip(f"{backend} cannot run here: {reason}")
 
@@ -56,8 +58,9 @@ def copies(arguments):
 def results(op, arguments, backend):
     """The op's outputs (q and k for the in-place ops), called on ``arguments`` as given;
     None where the backend's constraints refuse the call (the cuda backend takes D % 8 == 0
-    and one parameter dtype only): that case is the other backend's."""
-    if ditops.explain(op, **arguments, backend=backend).selected != backend:
+    and one parameter dtype only): that case is the other backend's. backend None: the
+    automatic choice, which takes every call."""
+    if backend is not None and ditops.explain(op, **arguments, backend=backend).selected != backend:
         return None
     result = PUBLIC[op](**arguments, backend=backend)
     if op in ROPE:
@@ -80,7 +83,7 @@ def shapes_of(op):
 JOBS = [(op, shape, dtype) for op in OPS for shape in shapes_of(op) for dtype in (torch.bfloat16, torch.float16)]
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@BACKENDS
 def test_eight_threads_on_their_own_streams_match_one_thread(backend):
     runnable(backend)
     inputs = [arguments_for(op, shape, dtype, seed) for seed, (op, shape, dtype) in enumerate(JOBS)]
@@ -111,7 +114,7 @@ def test_eight_threads_on_their_own_streams_match_one_thread(backend):
         thread.join(timeout=600)
     assert not errors, errors
     mismatches = [(t, JOBS[j]) for t, outputs in got.items() for j, out in outputs.items() if not bitwise_equal(out, expected[j])]
-    record(f"threads/{backend}", {"threads": 8, "calls_per_thread": len(JOBS), "mismatches": len(mismatches)})
+    record(f"threads/{backend or 'auto'}", {"threads": 8, "calls_per_thread": len(JOBS), "mismatches": len(mismatches)})
     assert not mismatches, mismatches[:5]
 
 
@@ -123,7 +126,7 @@ GRAPH_SCRIPT = textwrap.dedent(
     from ditops.examples import example_arguments
     from ditops.ops import PUBLIC
 
-    backend = sys.argv[1]
+    backend = None if sys.argv[1] == "auto" else sys.argv[1]
     report = {}
     for op in sorted(PUBLIC):
         shape = (33, 4, 128) if op.endswith("_") else (2, 40, 1024)
@@ -155,20 +158,20 @@ GRAPH_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@BACKENDS
 def test_first_ever_call_inside_graph_capture(backend, tmp_path):
     runnable(backend)
     environment = dict(os.environ, DITOPS_CACHE_DIR=str(tmp_path / "ditops-cache"), TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
     environment.pop("DITOPS_BACKEND", None)
     environment.pop("DITOPS_CONFIG", None)
-    done = subprocess.run([sys.executable, "-c", GRAPH_SCRIPT, backend], capture_output=True, text=True, timeout=600, env=environment)
+    done = subprocess.run([sys.executable, "-c", GRAPH_SCRIPT, backend or "auto"], capture_output=True, text=True, timeout=600, env=environment)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    record(f"graph_first_call/{backend}", report)
+    record(f"graph_first_call/{backend or 'auto'}", report)
     assert report == {op: "ok" for op in OPS}, report
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@BACKENDS
 @pytest.mark.parametrize("op", OPS)
 def test_same_call_twice_is_bitwise_equal(op, backend):
     runnable(backend)
@@ -194,7 +197,7 @@ def _rows(op, arguments, rows: slice, total: int):
     return sliced
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@BACKENDS
 @pytest.mark.parametrize("op", OPS)
 def test_a_rows_output_does_not_depend_on_the_batch(op, backend):
     runnable(backend)
@@ -218,7 +221,7 @@ def _host_memory() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@BACKENDS
 def test_memory_stays_flat_over_rotating_shapes(backend):
     runnable(backend)
     calls = 100_000
@@ -239,7 +242,7 @@ def test_memory_stays_flat_over_rotating_shapes(backend):
             samples.append((call + 1, _host_memory(), torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
     warm = samples[2]  # after 30000 calls: every signature seen in both dtypes
     growth = samples[-1][1] - warm[1]
-    record(f"memory/{backend}", {"calls": calls, "signatures": 2 * len(shapes), "host_growth_bytes_after_warmup": growth,
+    record(f"memory/{backend or 'auto'}", {"calls": calls, "signatures": 2 * len(shapes), "host_growth_bytes_after_warmup": growth,
                                  "samples": samples})
     assert growth < 32 << 20, f"host memory grew by {growth / 2**20:.1f} MiB after warm-up: {samples}"
     assert samples[-1][2] == device_start, f"device memory allocated grew: {samples}"
