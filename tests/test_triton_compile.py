@@ -108,8 +108,13 @@ def _launch_every_case(dtypes=conformance.DTYPES, ops=OPS, device="cpu"):
 
 def long_calls() -> dict:
     """Launch-table entries giving conformance cases (short calls) the long calls' launches:
-    the row kernels' late loads and one rotary program per token."""
-    rotary = {owner: dict(entry, split_max_tokens=0) for owner, entry in launch._settings()["rotary"].items()}
+    the row kernels' late loads, one rotary program per token and, where a vendor's table has
+    them, the rotary kernel's evict_first stores."""
+    def long(entry: dict) -> dict:
+        streamed = {"evict_first_stores": {"min_tokens": 0, "max_tokens": 2**62}} if "evict_first_stores" in entry else {}
+        return dict(entry, split_max_tokens=0, **streamed)
+
+    rotary = {owner: long(entry) for owner, entry in launch._settings()["rotary"].items()}
     return dict(early_loads_max_rows={"cuda": 0, "rocm": 0}, rotary=rotary)
 
 
@@ -210,6 +215,11 @@ def test_rotary_head_blocks(monkeypatch):
     # q and k get a program each in calls of at most split_max_tokens tokens
     assert [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).split for tokens in (1, 512, 513)] == [True, True, False]
     assert not launch.rotary_launch(128, 128, 24, 0, 2, 128, ("cuda",)).split  # rope_ without k: one program a token
+    # a cache hint for the stores of calls in a token range, where the table has one
+    assert {launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).store_eviction for tokens in (1, 4096)} == {""}
+    settings["rotary"]["cuda"]["evict_first_stores"] = {"min_tokens": 513, "max_tokens": 16384}
+    evictions = [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).store_eviction for tokens in (512, 513, 16384, 16385)]
+    assert evictions == ["", "evict_first", "evict_first", ""]
 
 
 def test_a_device_class_takes_its_own_entries_and_its_vendors_elsewhere(monkeypatch):
@@ -265,8 +275,9 @@ def test_early_loads_change_no_result():
 
 def test_a_split_rotary_call_changes_no_result():
     """A short call gives a token's q and k a program each (launch.rotary_launch), a long one
-    one program for both: the same bits on every RoPE conformance case, on the CPU in the
-    interpreter (float32, bfloat16) and on a GPU in every dtype."""
+    one program for both (and, in a token range, evict_first stores): the same bits on every
+    RoPE conformance case, on the CPU in the interpreter (float32, bfloat16) and on a GPU in
+    every dtype."""
     on_gpu = torch.cuda.is_available()
     dtypes = conformance.DTYPES if on_gpu else (torch.float32, torch.bfloat16)
     rope_ops = ["qk_norm_rope_", "rope_"]

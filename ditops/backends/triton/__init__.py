@@ -154,6 +154,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
         Q_BLOCK_HEADS=launch.q_block_heads, K_BLOCK_HEADS=launch.k_block_heads,
         HALF_HEAD=launch.half_head, HALF_TAIL=launch.half_tail, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
+        STORE_EVICTION=launch.store_eviction,
         num_warps=launch.num_warps,
     ))
 

@@ -126,6 +126,7 @@ class RotaryLaunch(NamedTuple):
     block_rest: int
     num_warps: int
     split: bool  # a program for a token's q heads and one for its k heads (rotary.py); only with k
+    store_eviction: str  # q_out and k_out stored with this cache eviction policy ("": the default)
 
 
 def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, tokens: int,
@@ -137,7 +138,8 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
     16, its masked heads costing no memory traffic. A head whose pairs have a tail tile runs at
     tail_num_warps (the launch table has the numbers). Calls with k of at most split_max_tokens
     tokens give q and k a program each (split), which only spreads the same operations over
-    more programs."""
+    more programs. Calls of evict_first_stores' token range store with evict_first: a cache
+    hint, the same operations and bits."""
     entry = _entry("rotary", owners)
     half_head, half_tail = _head_and_tail(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
@@ -152,5 +154,7 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
         block = whole if whole * per_head <= entry["one_pass_elements"] else min(whole, fitting)
         return max(block, vector)
 
+    streamed = entry.get("evict_first_stores")
+    evict_first = streamed is not None and streamed["min_tokens"] <= tokens <= streamed["max_tokens"]
     return RotaryLaunch(block_heads(q_heads), block_heads(k_heads), half_head, half_tail, block_rest, num_warps,
-                        k_heads > 0 and tokens <= entry["split_max_tokens"])
+                        k_heads > 0 and tokens <= entry["split_max_tokens"], "evict_first" if evict_first else "")

@@ -16,7 +16,9 @@ are loaded as one contiguous tile and split, so the loads stay wide; NeoX pairs
 (j, j + R/2) are two contiguous half loads. The pairs are a head tile (HALF_HEAD, the largest
 power of two not above R/2) and a tail tile (HALF_TAIL, 0 where R/2 is a power of two), as
 the row kernels' head and tail: at Dh 80 and 96 a single power-of-two tile left 37.5% and
-25% of its lanes as padding (launch.rotary_launch has the measurements)."""
+25% of its lanes as padding (launch.rotary_launch has the measurements). Calls of a middle
+token range store q_out and k_out with evict_first (STORE_EVICTION, a cache hint: the same
+bits); the launch table says where and why."""
 
 import triton
 import triton.language as tl
@@ -61,7 +63,8 @@ def _weigh_pairs(x1, x2, weight, first, half, WIDTH: tl.constexpr, INTERLEAVED: 
 
 
 @triton.jit
-def _store_pairs(out, head_mask, x1, x2, cos, sin, first, half, rotary_dim, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _store_pairs(out, head_mask, x1, x2, cos, sin, first, half, rotary_dim, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 EVICTION: tl.constexpr):
     """The pairs rotated by their cos/sin, stored where _load_pairs read them."""
     out1 = (x1 * cos - x2 * sin).to(out.dtype.element_ty)
     out2 = (x2 * cos + x1 * sin).to(out.dtype.element_ty)
@@ -69,11 +72,11 @@ def _store_pairs(out, head_mask, x1, x2, cos, sin, first, half, rotary_dim, WIDT
     if INTERLEAVED:
         both = 2 * first + tl.arange(0, 2 * WIDTH)[None, :]
         tile = tl.reshape(tl.join(out1, out2), (out1.shape[0], 2 * WIDTH))
-        tl.store(out + both, tile, mask=head_mask & (both < rotary_dim))
+        tl.store(out + both, tile, mask=head_mask & (both < rotary_dim), eviction_policy=EVICTION)
     else:
         mask = head_mask & (pair < half)
-        tl.store(out + pair, out1, mask=mask)
-        tl.store(out + half + pair, out2, mask=mask)
+        tl.store(out + pair, out1, mask=mask, eviction_policy=EVICTION)
+        tl.store(out + half + pair, out2, mask=mask, eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -81,6 +84,7 @@ def _rotate_heads(
     base, target, head_stride, heads, weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_REST: tl.constexpr,
+    EVICTION: tl.constexpr,
 ):
     half = rotary_dim // 2
     rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
@@ -108,10 +112,10 @@ def _rotate_heads(
                 if HALF_TAIL > 0:
                     b1, b2 = _weigh_pairs(b1, b2, weight, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
                 tail = tail * tl.load(weight + rest, mask=rest < head_size, other=0.0).to(tl.float32)
-            tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask)
-        _store_pairs(out, head_mask, a1, a2, cos_h, sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED)
+            tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask, eviction_policy=EVICTION)
+        _store_pairs(out, head_mask, a1, a2, cos_h, sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED, EVICTION)
         if HALF_TAIL > 0:
-            _store_pairs(out, head_mask, b1, b2, cos_t, sin_t, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED)
+            _store_pairs(out, head_mask, b1, b2, cos_t, sin_t, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED, EVICTION)
 
 
 @triton.jit
@@ -127,7 +131,7 @@ def rotary_kernel(
     NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr,
-    BLOCK_REST: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_REST: tl.constexpr, SPLIT: tl.constexpr, STORE_EVICTION: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)
     batch, token = program // tokens, program % tokens
@@ -150,13 +154,13 @@ def rotary_kernel(
     if SPLIT:  # (tokens, 2) programs; the launch code splits only calls with k
         if tl.program_id(1) == 0:
             _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST)
+                          eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION)
         else:
             _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST)
+                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION)
     else:
         _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                      eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST)
+                      eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION)
         if HAS_K:
             _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST)
+                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION)
