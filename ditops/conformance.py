@@ -4,9 +4,9 @@ A ``Case`` builds the keyword arguments of one public op (fresh random inputs fo
 dtype). ``run_case`` calls one backend's implementation directly on outputs poisoned
 with NaN, compares every output with the oracle under OPS.md's tolerances, then calls
 the public op with that backend forced on freshly built identical inputs and requires
-bitwise the same outputs (the dispatch path and run-to-run determinism); where dispatch picks
-that backend by itself, so do the public op's first automatic call and its cached second one. A backend that
-cannot run here, or refuses the case, is skipped with its reason.
+bitwise the same outputs (the dispatch path and run-to-run determinism); where dispatch
+picks that backend by itself, so must the public op's first automatic call and its cached
+second one. A backend that cannot run here, or refuses the case, is skipped with its reason.
 
 The cases are real model shapes of OPS.md scaled down (fewer tokens and heads, real D
 and Dh), odd sizes, every modulation form, strided, expanded and misaligned views,
