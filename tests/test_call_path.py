@@ -178,9 +178,9 @@ def test_a_cached_call_runs_in_c_and_an_override_in_python(monkeypatch):
 
 @pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
 def test_calls_that_alternate_signatures_each_find_their_plan_in_c(monkeypatch):
-    """cached_call.c tries an op's last signature (PlanTable.last) before building the call's
-    key: calls that alternate two shapes, two eps values or grad modes each find their own
-    plan there, none goes back to Op.run, and each gets its own plan's result."""
+    """cached_call.c tries an op's last few signatures (PlanTable.last) before building the
+    call's key: calls that alternate two shapes, two eps values or grad modes each find their
+    own plan there, none goes back to Op.run, and each gets its own plan's result."""
     base = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
     calls = [base, example_arguments("norm_scale_shift", (2, 6, 64), torch.float32), dict(base, eps=1e-2)]
     expected = [ditops.norm_scale_shift(**arguments, backend="reference") for arguments in calls]
