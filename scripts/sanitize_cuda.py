@@ -3,6 +3,8 @@ partial rotary, strided views, every modulation form, every launch class of the 
 Exits 1 if a case fails. Usage:
   compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py
   compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py --dtypes bfloat16
+--streaming-stores runs the rotary kernel's streaming-store copy on every call: the cases are
+short calls, which the launch table keeps on the plain stores.
 """
 
 import argparse
@@ -12,13 +14,19 @@ from collections import Counter
 import torch
 
 from ditops import conformance
+from ditops.backends import compiled
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", nargs="+", help="only these ops")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--streaming-stores", action="store_true", help="the rotary kernel's streaming stores on every call")
     arguments = parser.parse_args()
+    if arguments.streaming_stores:
+        settings = compiled._launch_settings()
+        settings = {**settings, "rotary": {**settings["rotary"], "streaming_stores": {"min_tokens": 0, "max_tokens": 2**62}}}
+        compiled._launch_settings = lambda: settings
     counts = Counter()
     for case in conformance.CASES:
         if arguments.ops and case.op not in arguments.ops:

@@ -42,7 +42,7 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
             for kernel, affine in itertools.product(compiled.ROW_KERNELS, (False, True)):
                 assert compiled.row_instance(kernel, dtype, param_dtype, hidden, affine) in tested
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
-        assert compiled.rotary_instance(dtype, head_size) in tested
+        assert {compiled.rotary_instance(dtype, head_size, streaming) for streaming in (False, True)} <= tested
 
 
 def test_a_block_that_splits_a_row_group_does_not_compile():
@@ -88,3 +88,48 @@ def test_the_instance_stats_script_reports_the_compiled_registers():
     instance = compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True)
     expected = nvrtc.compile_instance(instance, "sm_90")
     assert f"{instance.name_expression} for sm_90: {expected.registers} registers, 0 bytes of spills" in result.stdout
+
+
+def _rotary_table(monkeypatch, streaming_stores):
+    """The compiled launch table with the rotary kernel's streaming-store token range replaced."""
+    settings = {**compiled._launch_settings()}
+    settings["rotary"] = {**settings["rotary"], "streaming_stores": streaming_stores}
+    monkeypatch.setattr(compiled, "_launch_settings", lambda: settings)
+
+
+def test_rotary_calls_in_the_token_range_store_with_the_streaming_hint(monkeypatch):
+    """Calls whose B * S lies in the launch table's range take the rotary instance that stores q
+    and k with the streaming hint (built on the CPU)."""
+    from ditops.backends.cuda import KERNELS
+    from ditops.examples import HeadSpec, build
+
+    _rotary_table(monkeypatch, {"min_tokens": 513, "max_tokens": 16384})
+    hinted = {}
+    for leading in ((512,), (513,), (2, 300), (16384,), (16385,)):
+        values = build("rope_", HeadSpec(leading, 4, 2, 64), torch.bfloat16, "cpu", torch.Generator().manual_seed(0))
+        arguments, _ = ordered_arguments("rope_", **values)
+        hinted[leading] = KERNELS.rope__launch(*arguments).instance.template_arguments[-1]
+    assert hinted == {(512,): "false", (513,): "true", (2, 300): "true", (16384,): "true", (16385,): "false"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches the kernel")
+def test_streaming_stores_change_no_result(monkeypatch):
+    """The streaming hint is a cache policy: every RoPE conformance case the cuda backend takes
+    gives the same bits in every dtype with it on every call and on none."""
+    written = {}
+    for hint, streaming_stores in (("on", {"min_tokens": 0, "max_tokens": 2**62}), ("off", None)):
+        _rotary_table(monkeypatch, streaming_stores)
+        for case in conformance.CASES:
+            if case.op not in ("qk_norm_rope_", "rope_"):
+                continue
+            for dtype in conformance.DTYPES:
+                arguments, _ = ordered_arguments(case.op, **case.arguments(dtype, "cuda"))
+                features = OPS[case.op].check(*arguments)
+                taking = [i for i in conformance.implementations_of(case.op, "cuda") if features and not i.refusal(features)]
+                if not taking:
+                    continue  # nothing launched, or served by another backend (e.g. misaligned views)
+                taking[0].function(*arguments)
+                written.setdefault((case.id, dtype), {})[hint] = [t.clone() for t in arguments[:2] if t is not None]
+    assert len(written) > 20
+    for key, runs in written.items():
+        assert all(conformance._bitwise_equal(a, b) for a, b in zip(runs["on"], runs["off"])), key

@@ -79,14 +79,23 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
     raise ValueError(f"no compiled launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
 
-def rotary_instance(dtype: torch.dtype, head_size: int) -> Instance:
+def rotary_instance(dtype: torch.dtype, head_size: int, streaming: bool = False) -> Instance:
     """The rotary kernel for heads of head_size: a thread per chunk of a head, in groups as wide
     as still pack the most heads into a 32-lane segment (rotary.cu): 16 lanes for Dh 96 (two
-    heads either way), 10 for Dh 72 and 80 (three)."""
+    heads either way), 10 for Dh 72 and 80 (three). streaming: the instance that stores q and
+    k with the streaming cache hint (_streaming_stores says for which calls)."""
     settings = _launch_settings()["rotary"]
     threads = SEGMENT // (SEGMENT // (head_size // CHUNK))
     block, items = settings["block"], settings["items"]
-    return Instance("rotary.cu", "rotary", (C_TYPES[dtype], threads, block, items), block, threads)
+    arguments = (C_TYPES[dtype], threads, block, items, "true" if streaming else "false")
+    return Instance("rotary.cu", "rotary", arguments, block, threads)
+
+
+def _streaming_stores(tokens: int) -> bool:
+    """Whether a rotary call of this many tokens stores q and k with the streaming cache hint
+    (the launch table's token range; a hint changes no result, so a token count may choose it)."""
+    streamed = _launch_settings()["rotary"].get("streaming_stores")
+    return streamed is not None and streamed["min_tokens"] <= tokens <= streamed["max_tokens"]
 
 
 ROW_KERNELS = ("modulated_norm", "selected_modulation_norm", "gated_add_norm")
@@ -102,7 +111,8 @@ def all_instances() -> list:
         for param_dtype, kernel, entry, affine in itertools.product(C_TYPES, ROW_KERNELS, _launch_settings()["rows"],
                                                                     (False, True)):
             instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"], affine))
-        instances += [rotary_instance(dtype, head_size) for head_size in ROTARY_HEAD_SIZES]
+        instances += [rotary_instance(dtype, head_size, streaming)
+                      for head_size, streaming in itertools.product(ROTARY_HEAD_SIZES, (False, True))]
     return list(dict.fromkeys(instances))
 
 
@@ -325,7 +335,7 @@ class CompiledOps:
         rows = q_tokens.batch * q_tokens.tokens
         if rows == 0 or q_heads + k_heads == 0 or q.shape[-1] == 0:
             return None
-        instance = rotary_instance(q.dtype, q.shape[-1])
+        instance = rotary_instance(q.dtype, q.shape[-1], _streaming_stores(rows))
         # As rotary.cu numbers its slots: a token's q slots, then its k slots, `items` heads each.
         items = _launch_settings()["rotary"]["items"]
         slots = rows * ((q_heads + items - 1) // items + (k_heads + items - 1) // items)

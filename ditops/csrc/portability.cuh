@@ -13,6 +13,9 @@ constexpr int kWarpSize = 64;  // CDNA wavefronts (gfx90a, gfx942, gfx950)
 
 __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor(value, lane_mask, kWarpSize); }
 __device__ inline uint4 load_read_only(const uint4* address) { return *address; }
+// No cache hints on AMD (not measured there).
+__device__ inline uint4 load_streaming(const uint4* address) { return *address; }
+__device__ inline void store_streaming(uint4* address, const uint4& value) { *address = value; }
 __device__ inline float shuffle(float value, int source_lane) { return __shfl(value, source_lane, kWarpSize); }
 
 // Named structs rather than aliases of _Float16: hiprtc finds template instances by the
@@ -51,6 +54,9 @@ constexpr unsigned kAllLanes = 0xffffffffu;  // every kernel calls lane exchange
 __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor_sync(kAllLanes, value, lane_mask); }
 // Through the non-coherent cache: the compiler may then move the load ahead of stores.
 __device__ inline uint4 load_read_only(const uint4* address) { return __ldg(address); }
+// ld.global.cs and st.global.cs: the line is evicted first (data read or written once).
+__device__ inline uint4 load_streaming(const uint4* address) { return __ldcs(address); }
+__device__ inline void store_streaming(uint4* address, const uint4& value) { __stcs(address, value); }
 __device__ inline float shuffle(float value, int source_lane) { return __shfl_sync(kAllLanes, value, source_lane); }
 
 using float16 = __half;
@@ -81,3 +87,17 @@ template <> __device__ inline unsigned float_to_bits<float>(float value) { retur
 // that place work by segments (the rotary kernel's heads) then launch the same shapes on both
 // (SEGMENT in ditops/backends/compiled.py).
 constexpr int kSegment = 32;
+
+// A 16-byte load of data no thread of the kernel writes, and a 16-byte store; STREAMING: with the
+// streaming cache hint.
+template <bool STREAMING>
+__device__ inline uint4 load_hinted(const uint4* address) {
+    if constexpr (STREAMING) return load_streaming(address);
+    else return load_read_only(address);
+}
+
+template <bool STREAMING>
+__device__ inline void store_hinted(uint4* address, const uint4& value) {
+    if constexpr (STREAMING) store_streaming(address, value);
+    else *address = value;
+}

@@ -10,7 +10,9 @@
 // then ceil(Hk / ITEMS) k slots, consecutive in the grid (they may straddle blocks, and a block
 // holds several tokens when heads are few), and slot j of a tensor takes its heads j,
 // j + slots, ... So each token costs one memory round trip, and a thread, which keeps one
-// column of one token and one tensor, loads its cos/sin and norm weight once.
+// column of one token and one tensor, loads its cos/sin and norm weight once. Calls in the
+// launch table's streaming_stores token range take the instance that stores q and k with the
+// streaming cache hint: the same bits.
 #include "memory.cuh"
 #include "reductions.cuh"
 
@@ -33,7 +35,9 @@ struct CosSinCache {
     long long row_stride;
 };
 
-template <typename T, int HEAD_THREADS, int BLOCK, int ITEMS>
+// STREAMING: q and k stored with the streaming cache hint (a template flag: chosen at run time
+// per store, it made the float16 instances spill on sm_90).
+template <typename T, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING>
 __global__ void __launch_bounds__(BLOCK) rotary(
     Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
     long long q_heads, long long k_heads, long long tokens, long long rows, long long head_size, long long rotary_dim,
@@ -155,6 +159,7 @@ __global__ void __launch_bounds__(BLOCK) rotary(
                 for (int e = 0; e < kChunk; ++e) v[e] = v[e] * c[e] + partner[e] * s[e];
             }
         }
-        if (stored[item]) store_chunk(token_heads + (first_head + item * slots) * head_size, v);
+        if (stored[item]) store_chunk<STREAMING>(token_heads + (first_head + item * slots) * head_size, v);
     }
 }
+

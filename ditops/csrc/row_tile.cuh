@@ -40,7 +40,9 @@ struct Row {
     static constexpr int kWords = ChunkWords<T>::count;
     uint4 words[CHUNKS][kWords];
 
-    // Row `at` of `rows` (zeros past D and in padding rows).
+    // Row `at` of `rows` (zeros past D and in padding rows). STREAMING (here and in store): with
+    // the streaming cache hint (portability.cuh).
+    template <bool STREAMING = false>
     __device__ void load(const Rows& rows, const RowPosition& at, long long hidden) {
         const T* source = static_cast<const T*>(rows.data) + at.batch * rows.batch_stride + at.token * rows.token_stride;
 #pragma unroll
@@ -48,7 +50,7 @@ struct Row {
 #pragma unroll
             for (int w = 0; w < kWords; ++w) {
                 words[i][w] = at.holds<ROW_THREADS>(i, hidden)
-                                  ? load_read_only(reinterpret_cast<const uint4*>(source + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T))))
+                                  ? load_hinted<STREAMING>(reinterpret_cast<const uint4*>(source + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T))))
                                   : make_uint4(0, 0, 0, 0);
             }
         }
@@ -65,10 +67,11 @@ struct Row {
         for (int e = 0; e < kChunk; ++e) set_word_element<T>(words[i], e, values[e]);
     }
 
+    template <bool STREAMING = false>
     __device__ void store(T* row_out, const RowPosition& at, int i) const {
 #pragma unroll
         for (int w = 0; w < kWords; ++w)
-            *reinterpret_cast<uint4*>(row_out + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T))) = words[i][w];
+            store_hinted<STREAMING>(reinterpret_cast<uint4*>(row_out + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T))), words[i][w]);
     }
 };
 
