@@ -66,19 +66,15 @@ __device__ inline void load_written_chunk(const T* source, float (&values)[kChun
     for (int e = 0; e < kChunk; ++e) values[e] = word_element<T>(words, e);
 }
 
-// STREAMING: with the cache hint of store_streaming (the same bits either way).
+// STREAMING: with the streaming cache hint (the same bits either way).
 template <bool STREAMING = false, typename T>
 __device__ inline void store_chunk(T* target, const float (&values)[kChunk]) {
     uint4 words[ChunkWords<T>::count];
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) set_word_element<T>(words, e, values[e]);
 #pragma unroll
-    for (int w = 0; w < ChunkWords<T>::count; ++w) {
-        if (STREAMING) store_streaming(reinterpret_cast<uint4*>(target) + w, words[w]);
-        else reinterpret_cast<uint4*>(target)[w] = words[w];
-    }
+    for (int w = 0; w < ChunkWords<T>::count; ++w) store_hinted<STREAMING>(reinterpret_cast<uint4*>(target) + w, words[w]);
 }
-
 
 // The run-time dtype of a tensor whose dtype is not a template argument (the rotary kernel's
 // weights and cos/sin cache: real models mix them, and a head needs only a few values).

@@ -162,4 +162,3 @@ __global__ void __launch_bounds__(BLOCK) rotary(
         if (stored[item]) store_chunk<STREAMING>(token_heads + (first_head + item * slots) * head_size, v);
     }
 }
-
