@@ -13,7 +13,7 @@ __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
     Rows x, Rows branch, Modulation gate, Modulation scale, const P* __restrict__ weight, const P* __restrict__ bias, const P* __restrict__ weight2,
     const P* __restrict__ bias2, T* __restrict__ out, T* __restrict__ y, float eps, long long rms, long long tanh_gate, long long rows, long long tokens,
     long long hidden) {
-    const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
+    const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);
     Row<T, ROW_THREADS, CHUNKS> row, residual;
     row.template load<true>(branch, at, hidden);
     residual.template load<true>(x, at, hidden);  // loaded early: its latency hides behind the norm
@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
     const RowVector<P, ROW_THREADS, CHUNKS> gate_row(ModulationRow<P>(gate, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+        if (!at.holds(i)) continue;
         float v[kChunk], r[kChunk], g[kChunk];
         normalized_chunk(row, i, statistics, weight_row, bias_row, v);
         residual.get(i, r);
@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(BLOCK, 1) gated_add_norm(
     const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+        if (!at.holds(i)) continue;
         float v[kChunk], s[kChunk];
         normalized_chunk(row, i, out_statistics, weight2_row, bias2_row, v);
         scale_row.get(i, s);

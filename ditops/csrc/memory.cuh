@@ -46,6 +46,15 @@ __device__ inline void set_word_element(uint4 (&words)[WORDS], int e, float valu
     }
 }
 
+// Words of which every element of T reads as value (a value T holds exactly).
+template <typename T, int WORDS>
+__device__ inline void broadcast_words(float value, uint4 (&words)[WORDS]) {
+    unsigned component = float_to_bits<T>(value);
+    if constexpr (sizeof(T) == 2) component |= component << 16;
+#pragma unroll
+    for (int w = 0; w < WORDS; ++w) words[w] = make_uint4(component, component, component, component);
+}
+
 // Only for data no thread of the kernel writes (every input but the in-place q and k).
 template <typename T>
 __device__ inline void load_chunk(const T* source, float (&values)[kChunk]) {
@@ -119,10 +128,16 @@ struct ModulationRow {
     bool scalar;  // one value for the whole row
 
     __device__ ModulationRow(const Modulation& m, int batch, int token)
-        : data(m.data ? static_cast<const P*>(m.data) + batch * m.batch_stride
-                            + static_cast<long long>(token / static_cast<int>(m.group_size)) * m.group_stride
-                      : nullptr),
+        : data(m.data ? static_cast<const P*>(m.data) + batch * m.batch_stride + group_offset(m, token) : nullptr),
           scalar(m.dim_stride == 0) {}
+
+    // The division only where the modulation varies over tokens (a branch, not a select: the
+    // compiler may not compute a division it cannot prove safe): it is some 25 instructions,
+    // three a row in the select kernel, in kernels that issue about 900 a row.
+    __device__ static long long group_offset(const Modulation& m, int token) {
+        if (m.group_stride == 0) return 0;
+        return static_cast<long long>(token / static_cast<int>(m.group_size)) * m.group_stride;
+    }
 };
 
 // An integer tensor [B, S] (or [T], batch_stride 0) of any integer or bool dtype, read as

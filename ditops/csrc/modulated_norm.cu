@@ -7,7 +7,7 @@ template <typename T, typename P, bool AFFINE, int ROW_THREADS, int CHUNKS, int 
 __global__ void __launch_bounds__(BLOCK, 1) modulated_norm(
     Rows x, Rows residual, Modulation gate, Modulation scale, Modulation shift, const P* __restrict__ weight, const P* __restrict__ bias,
     T* __restrict__ y, T* __restrict__ residual_out, float eps, long long rms, long long rows, long long tokens, long long hidden) {
-    const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
+    const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);
     Row<T, ROW_THREADS, CHUNKS> row;
     row.load(x, at, hidden);
     if (residual.data) add_residual(row, residual, ModulationRow<P>(gate, at.batch, at.token), at, hidden, residual_out);
@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(BLOCK, 1) modulated_norm(
     const RowVector<P, ROW_THREADS, CHUNKS> shift_row(ModulationRow<P>(shift, at.batch, at.token), at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+        if (!at.holds(i)) continue;
         float v[kChunk], s[kChunk], t[kChunk];
         normalized_chunk(row, i, statistics, weight_row, bias_row, v);
         scale_row.get(i, s);

@@ -13,9 +13,10 @@ struct RowPosition {
     int batch, token;  // 32-bit: the launch code keeps B * S below 2^31, and 64-bit division is slow
     int lane;
     bool valid;  // false for the padding rows of the last block: they load zeros and store nothing
+    int chunks;  // chunks of the row this thread holds, its first ones (none in padding rows)
 
-    template <int ROW_THREADS, int BLOCK>
-    __device__ static RowPosition of_thread(long long rows, long long tokens) {
+    template <int ROW_THREADS, int BLOCK, int CHUNKS>
+    __device__ static RowPosition of_thread(long long rows, long long tokens, long long hidden) {
         RowPosition at;
         at.row = static_cast<long long>(blockIdx.x) * (BLOCK / ROW_THREADS) + threadIdx.x / ROW_THREADS;
         at.valid = at.row < rows;
@@ -23,14 +24,17 @@ struct RowPosition {
         at.batch = static_cast<int>(row32 / static_cast<unsigned>(tokens));
         at.token = static_cast<int>(row32 - static_cast<unsigned>(at.batch) * static_cast<unsigned>(tokens));
         at.lane = threadIdx.x % ROW_THREADS;
+        // chunk i is held while (lane + i * ROW_THREADS) * kChunk < D: counted once, so that a
+        // chunk's test is one comparison
+        const int beyond = static_cast<int>(hidden / kChunk) - at.lane;
+        at.chunks = !at.valid || beyond <= 0 ? 0 : min(CHUNKS, (beyond + ROW_THREADS - 1) / ROW_THREADS);
         return at;
     }
 
     template <int ROW_THREADS>
     __device__ long long column(int chunk) const { return (lane + static_cast<long long>(chunk) * ROW_THREADS) * kChunk; }
 
-    template <int ROW_THREADS>
-    __device__ bool holds(int chunk, long long hidden) const { return valid && column<ROW_THREADS>(chunk) < hidden; }
+    __device__ bool holds(int chunk) const { return chunk < chunks; }
 };
 
 // This thread's chunks of a row, kept as stored (16-byte words of T), not as float: half the
@@ -49,7 +53,7 @@ struct Row {
         for (int i = 0; i < CHUNKS; ++i) {
 #pragma unroll
             for (int w = 0; w < kWords; ++w) {
-                words[i][w] = at.holds<ROW_THREADS>(i, hidden)
+                words[i][w] = at.holds(i)
                                   ? load_hinted<STREAMING>(reinterpret_cast<const uint4*>(source + at.column<ROW_THREADS>(i) + w * (16 / sizeof(T))))
                                   : make_uint4(0, 0, 0, 0);
             }
@@ -106,13 +110,15 @@ struct RowVector {
         : lane_data(data ? data + at.column<ROW_THREADS>(0) : nullptr), value(0.0f), present(data != nullptr), scalar(scalar) {
         if (present && scalar) value = to_float(*data);
         if constexpr (PRELOAD) {
+            uint4 same[kWords];  // a scalar's value (zeros where absent) in every element
+            broadcast_words<P>(value, same);
 #pragma unroll
             for (int i = 0; i < CHUNKS; ++i) {
 #pragma unroll
                 for (int w = 0; w < kWords; ++w) {
-                    words[i][w] = present && !scalar && at.holds<ROW_THREADS>(i, hidden)
+                    words[i][w] = present && !scalar && at.holds(i)
                                       ? load_read_only(reinterpret_cast<const uint4*>(lane_data + i * ROW_THREADS * kChunk) + w)
-                                      : make_uint4(0, 0, 0, 0);
+                                      : same[w];
                 }
             }
         }
@@ -120,9 +126,12 @@ struct RowVector {
 
     // Chunk i (zeros where absent); only for chunks this thread holds.
     __device__ void get(int i, float (&values)[kChunk]) const {
-        if (PRELOAD || scalar || !present) {
+        if constexpr (PRELOAD) {
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) values[e] = PRELOAD && !scalar ? word_element<P>(words[i], e) : value;
+            for (int e = 0; e < kChunk; ++e) values[e] = word_element<P>(words[i], e);
+        } else if (scalar || !present) {
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) values[e] = value;
         } else {
             load_chunk(lane_data + i * ROW_THREADS * kChunk, values);
         }
@@ -139,7 +148,7 @@ __device__ inline void add_residual(Row<T, ROW_THREADS, CHUNKS>& row, const Rows
     const RowVector<P, ROW_THREADS, CHUNKS> gate(gate_row, at, hidden);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+        if (!at.holds(i)) continue;
         float v[kChunk], r[kChunk], g[kChunk];
         row.get(i, v);
         previous.get(i, r);
@@ -176,7 +185,7 @@ __device__ inline RowStatistics row_statistics(const Row<T, ROW_THREADS, CHUNKS>
     float squares = 0.0f;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+        if (!at.holds(i)) continue;
         float v[kChunk];
         row.get(i, v);
 #pragma unroll

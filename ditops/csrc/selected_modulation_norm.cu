@@ -9,7 +9,7 @@ __global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
     Modulation scale0, Modulation shift0, Modulation gate0, Modulation scale1, Modulation shift1, Modulation gate1,
     const P* __restrict__ weight, const P* __restrict__ bias, T* __restrict__ y, T* __restrict__ residual_out, T* __restrict__ gate_out,
     float eps, long long rows, long long tokens, long long hidden) {
-    const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK>(rows, tokens);
+    const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);
     Row<T, ROW_THREADS, CHUNKS> row;
     row.load(x, at, hidden);
     if (residual.data) {
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(BLOCK, 1) selected_modulation_norm(
     Row<T, ROW_THREADS, CHUNKS> chosen_gate;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-        if (!at.holds<ROW_THREADS>(i, hidden)) continue;
+        if (!at.holds(i)) continue;
         float v[kChunk], s[kChunk], t[kChunk], g[kChunk];
         normalized_chunk(row, i, statistics, weight_row, bias_row, v);
         scale_row.get(i, s);
