@@ -45,10 +45,23 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
         assert {compiled.rotary_instance(dtype, head_size, streaming) for streaming in (False, True)} <= tested
 
 
+def test_min_blocks_come_from_the_launch_table_for_16_bit_rows_only():
+    """A class's min_blocks (blocks an SM must hold, which caps registers) is the launch table's,
+    per kernel, for 16-bit activations; float32 rows, twice the registers, keep 1 (capped as
+    tightly they spill: the test above would fail)."""
+    for entry in compiled._launch_settings()["rows"]:
+        for kernel in compiled.ROW_KERNELS:
+            wanted = entry.get("min_blocks", {}).get(kernel, 1)
+            for dtype in (torch.float16, torch.bfloat16):
+                assert compiled.row_instance(kernel, dtype, torch.float32, entry["max_hidden"], True).template_arguments[-1] == wanted
+            assert compiled.row_instance(kernel, torch.float32, torch.bfloat16, entry["max_hidden"], True).template_arguments[-1] == 1
+    assert any(entry.get("min_blocks") for entry in compiled._launch_settings()["rows"])
+
+
 def test_a_block_that_splits_a_row_group_does_not_compile():
     """96 threads a row in a block of 128 would leave a partial group whose warps read past the
     shared partial sums (seen as wrong results in a sweep): the reduction refuses it."""
-    instance = compiled.Instance("modulated_norm.cu", "modulated_norm", ("bfloat16", "bfloat16", "false", 96, 4, 128), 128, 96)
+    instance = compiled.Instance("modulated_norm.cu", "modulated_norm", ("bfloat16", "bfloat16", "false", 96, 4, 128, 1), 128, 96)
     with pytest.raises(nvrtc.CompileError, match="whole groups"):
         nvrtc.compile_instance(instance, "sm_90")
 

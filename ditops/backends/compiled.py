@@ -41,7 +41,7 @@ class Instance(NamedTuple):
     source: str  # file in ditops/csrc
     kernel: str
     template_arguments: tuple
-    block: int  # threads per block, also the last template argument
+    block: int  # threads per block, also a template argument
     group: int  # threads per row (row kernels) or per head (rotary): a block holds block // group of them
 
     @property
@@ -74,7 +74,10 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
         if hidden <= entry["max_hidden"]:
             threads, chunks = entry["row_threads"], entry["chunks"]
             block = max(threads, MIN_ROW_BLOCK)
-            arguments = (C_TYPES[dtype], C_TYPES[param_dtype], "true" if affine else "false", threads, chunks, block)
+            # float32 rows take twice the registers: capped as tightly, they spill
+            min_blocks = entry.get("min_blocks", {}).get(kernel, 1) if dtype != torch.float32 else 1
+            arguments = (C_TYPES[dtype], C_TYPES[param_dtype], "true" if affine else "false", threads, chunks, block,
+                         min_blocks)
             return Instance(f"{kernel}.cu", kernel, arguments, block, threads)
     raise ValueError(f"no compiled launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
