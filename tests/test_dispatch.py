@@ -486,6 +486,8 @@ def _named(arch: str, name: str):
     ("NVIDIA H200", 5120, "cuda"),
     ("NVIDIA H100 80GB HBM3", 5120, "cuda"),
     ("NVIDIA H200", 3072, "triton"),  # outside the measured range
+    ("NVIDIA H100 80GB HBM3", 3072, "cuda"),
+    ("NVIDIA H100 80GB HBM3", 2048, "triton"),
     ("NVIDIA H200", 5128, "triton"),
     ("NVIDIA A100-SXM4-80GB", 5120, "triton"),  # not measured there: the order of ops
     ("", 5120, "triton"),
