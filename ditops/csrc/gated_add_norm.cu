@@ -15,11 +15,11 @@ __global__ void ROW_LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) gated_add_norm(
     long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);
     Row<T, ROW_THREADS, CHUNKS> row, residual;
-    row.template load<true>(branch, at, hidden);
-    residual.template load<true>(x, at, hidden);  // loaded early: its latency hides behind the norm
+    row.template load<true>(branch, at);
+    residual.template load<true>(x, at);  // loaded early: its latency hides behind the norm
     const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
-    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at, hidden), bias_row(AFFINE ? bias : nullptr, at, hidden);
-    const RowVector<P, ROW_THREADS, CHUNKS> gate_row(ModulationRow<P>(gate, at.batch, at.token), at, hidden);
+    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at), bias_row(AFFINE ? bias : nullptr, at);
+    const RowVector<P, ROW_THREADS, CHUNKS> gate_row(ModulationRow<P>(gate, at.batch, at.token), at);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds(i)) continue;
@@ -34,8 +34,8 @@ __global__ void ROW_LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) gated_add_norm(
     }
     if (y == nullptr) return;  // uniform across the block: add_gate_norm has no y
     const RowStatistics out_statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
-    const RowVector<P, ROW_THREADS, CHUNKS> weight2_row(AFFINE ? weight2 : nullptr, at, hidden), bias2_row(AFFINE ? bias2 : nullptr, at, hidden);
-    const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at, hidden);
+    const RowVector<P, ROW_THREADS, CHUNKS> weight2_row(AFFINE ? weight2 : nullptr, at), bias2_row(AFFINE ? bias2 : nullptr, at);
+    const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds(i)) continue;

@@ -9,12 +9,12 @@ __global__ void ROW_LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) modulated_norm(
     T* __restrict__ y, T* __restrict__ residual_out, float eps, long long rms, long long rows, long long tokens, long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);
     Row<T, ROW_THREADS, CHUNKS> row;
-    row.load(x, at, hidden);
+    row.load(x, at);
     if (residual.data) add_residual(row, residual, ModulationRow<P>(gate, at.batch, at.token), at, hidden, residual_out);
     const RowStatistics statistics = row_statistics<BLOCK>(row, at, hidden, eps, rms != 0);
-    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at, hidden), bias_row(AFFINE ? bias : nullptr, at, hidden);
-    const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at, hidden);
-    const RowVector<P, ROW_THREADS, CHUNKS> shift_row(ModulationRow<P>(shift, at.batch, at.token), at, hidden);
+    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at), bias_row(AFFINE ? bias : nullptr, at);
+    const RowVector<P, ROW_THREADS, CHUNKS> scale_row(ModulationRow<P>(scale, at.batch, at.token), at);
+    const RowVector<P, ROW_THREADS, CHUNKS> shift_row(ModulationRow<P>(shift, at.batch, at.token), at);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds(i)) continue;

@@ -47,7 +47,7 @@ struct Row {
     // Row `at` of `rows` (zeros past D and in padding rows). STREAMING (here and in store): with
     // the streaming cache hint (portability.cuh).
     template <bool STREAMING = false>
-    __device__ void load(const Rows& rows, const RowPosition& at, long long hidden) {
+    __device__ void load(const Rows& rows, const RowPosition& at) {
         const T* source = static_cast<const T*>(rows.data) + at.batch * rows.batch_stride + at.token * rows.token_stride;
 #pragma unroll
         for (int i = 0; i < CHUNKS; ++i) {
@@ -100,17 +100,16 @@ struct RowVector {
     float value;         // the one value of a scalar modulation
     bool present, scalar;
 
-    __device__ RowVector(const ModulationRow<P>& m, const RowPosition& at, long long hidden)
-        : RowVector(m.data, m.scalar, at, hidden) {}
+    __device__ RowVector(const ModulationRow<P>& m, const RowPosition& at) : RowVector(m.data, m.scalar, at) {}
 
     // A norm's weight or bias: a [D] vector, or nullptr.
-    __device__ RowVector(const P* data, const RowPosition& at, long long hidden) : RowVector(data, false, at, hidden) {}
+    __device__ RowVector(const P* data, const RowPosition& at) : RowVector(data, false, at) {}
 
-    __device__ RowVector(const P* data, bool scalar, const RowPosition& at, long long hidden)
+    __device__ RowVector(const P* data, bool scalar, const RowPosition& at)
         : lane_data(data ? data + at.column<ROW_THREADS>(0) : nullptr), value(0.0f), present(data != nullptr), scalar(scalar) {
         if (present && scalar) value = to_float(*data);
         if constexpr (PRELOAD) {
-            uint4 same[kWords];  // a scalar's value (zeros where absent) in every element
+            uint4 same[kWords];  // a scalar's value in every element (zeros where absent): get() selects nothing
             broadcast_words<P>(value, same);
 #pragma unroll
             for (int i = 0; i < CHUNKS; ++i) {
@@ -144,8 +143,8 @@ template <typename P, typename T, int ROW_THREADS, int CHUNKS>
 __device__ inline void add_residual(Row<T, ROW_THREADS, CHUNKS>& row, const Rows& residual, const ModulationRow<P>& gate_row,
                                     const RowPosition& at, long long hidden, T* residual_out) {
     Row<T, ROW_THREADS, CHUNKS> previous;
-    previous.load(residual, at, hidden);
-    const RowVector<P, ROW_THREADS, CHUNKS> gate(gate_row, at, hidden);
+    previous.load(residual, at);
+    const RowVector<P, ROW_THREADS, CHUNKS> gate(gate_row, at);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         if (!at.holds(i)) continue;

@@ -11,7 +11,7 @@ __global__ void ROW_LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) selected_modulation_norm(
     float eps, long long rows, long long tokens, long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);
     Row<T, ROW_THREADS, CHUNKS> row;
-    row.load(x, at, hidden);
+    row.load(x, at);
     if (residual.data) {
         add_residual(row, residual, ModulationRow<P>(residual_gate, at.batch, at.token), at, hidden, residual_out);
     }
@@ -19,13 +19,13 @@ __global__ void ROW_LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) selected_modulation_norm(
     const bool second = at.valid && load_integer(index, at.batch, at.token) != 0;
     // rows of both sets, then chosen by value: choosing a kernel parameter or a local by reference
     // would move them to local memory
-    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at, hidden), bias_row(AFFINE ? bias : nullptr, at, hidden);
+    const RowVector<P, ROW_THREADS, CHUNKS> weight_row(AFFINE ? weight : nullptr, at), bias_row(AFFINE ? bias : nullptr, at);
     const RowVector<P, ROW_THREADS, CHUNKS> scale_row(
-        second ? ModulationRow<P>(scale1, at.batch, at.token) : ModulationRow<P>(scale0, at.batch, at.token), at, hidden);
+        second ? ModulationRow<P>(scale1, at.batch, at.token) : ModulationRow<P>(scale0, at.batch, at.token), at);
     const RowVector<P, ROW_THREADS, CHUNKS> shift_row(
-        second ? ModulationRow<P>(shift1, at.batch, at.token) : ModulationRow<P>(shift0, at.batch, at.token), at, hidden);
+        second ? ModulationRow<P>(shift1, at.batch, at.token) : ModulationRow<P>(shift0, at.batch, at.token), at);
     const RowVector<P, ROW_THREADS, CHUNKS> gate_row(
-        second ? ModulationRow<P>(gate1, at.batch, at.token) : ModulationRow<P>(gate0, at.batch, at.token), at, hidden);
+        second ? ModulationRow<P>(gate1, at.batch, at.token) : ModulationRow<P>(gate0, at.batch, at.token), at);
     Row<T, ROW_THREADS, CHUNKS> chosen_gate;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
