@@ -133,7 +133,7 @@ struct ModulationRow {
 
     // The division only where the modulation varies over tokens (a branch, not a select: the
     // compiler may not compute a division it cannot prove safe): it is some 25 instructions,
-    // three a row in the select kernel, in kernels that issue about 900 a row.
+    // two to six a row, in kernels that issue about 900 a row.
     __device__ static long long group_offset(const Modulation& m, int token) {
         if (m.group_stride == 0) return 0;
         return static_cast<long long>(token / static_cast<int>(m.group_size)) * m.group_stride;
