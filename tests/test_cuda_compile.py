@@ -103,6 +103,24 @@ def test_the_instance_stats_script_reports_the_compiled_registers():
     assert f"{instance.name_expression} for sm_90: {expected.registers} registers, 0 bytes of spills" in result.stdout
 
 
+def test_divisor_gives_the_exact_quotient_of_every_index_below_2_31():
+    """rotary.cu divides slot and row indices by multiplying (Divisor in memory.cuh): the high
+    32 bits of 2 * n * multiplier, shifted right by shift, must be n // d for every n < 2**31 and
+    every d the launch code passes (here: all d up to 4096, powers of two and their neighbours,
+    random d; n at the edges of the range and of the last quotient, and random n)."""
+    rng = torch.Generator().manual_seed(0)
+    divisors = set(range(1, 4097)) | {2**k + j for k in range(1, 31) for j in (-1, 0, 1)} | {2**31 - 1}
+    divisors |= {int(d) for d in torch.randint(1, 2**31, (2000,), generator=rng)}
+    for d in sorted(divisors):
+        multiplier, shift = compiled.divisor(d)
+        assert 0 < multiplier < 2**32
+        last = (2**31 - 1) // d * d  # the largest multiple of d below 2**31
+        values = {0, 1, d - 1, d, d + 1, last - 1, last, 2**31 - 1} | {int(n) for n in torch.randint(0, 2**31, (20,), generator=rng)}
+        for n in values:
+            if 0 <= n < 2**31:
+                assert ((2 * n * multiplier) >> 32) >> shift == n // d, (n, d)
+
+
 def _rotary_table(monkeypatch, streaming_stores):
     """The compiled launch table with the rotary kernel's streaming-store token range replaced."""
     settings = {**compiled._launch_settings()}
@@ -121,7 +139,7 @@ def test_rotary_calls_in_the_token_range_store_with_the_streaming_hint(monkeypat
     for leading in ((512,), (513,), (2, 300), (16384,), (16385,)):
         values = build("rope_", HeadSpec(leading, 4, 2, 64), torch.bfloat16, "cpu", torch.Generator().manual_seed(0))
         arguments, _ = ordered_arguments("rope_", **values)
-        hinted[leading] = KERNELS.rope__launch(*arguments).instance.template_arguments[-1]
+        hinted[leading] = KERNELS.rope__launch(*arguments).instance.template_arguments[4]
     assert hinted == {(512,): "false", (513,): "true", (2, 300): "true", (16384,): "true", (16385,): "false"}
 
 

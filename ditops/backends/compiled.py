@@ -63,6 +63,14 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
+def divisor(d: int) -> tuple:
+    """The Divisor struct of memory.cuh for d: (multiplier, shift) such that ((2 * n * multiplier)
+    >> 32) >> shift == n // d for every 0 <= n < 2**31 (Granlund and Montgomery: shift =
+    ceil(log2 d), multiplier = ceil(2**(31 + shift) / d) < 2**32)."""
+    shift = (d - 1).bit_length()
+    return (-(-(1 << (31 + shift)) // d), shift)
+
+
 def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int, affine: bool) -> Instance:
     """A row kernel for activations of dtype and weights/modulation of param_dtype, in the
     layout of the first row class with max_hidden >= D; affine: the call has a norm weight or
@@ -90,7 +98,7 @@ def rotary_instance(dtype: torch.dtype, head_size: int, streaming: bool = False)
     settings = _launch_settings()["rotary"]
     threads = SEGMENT // (SEGMENT // (head_size // CHUNK))
     block, items = settings["block"], settings["items"]
-    arguments = (C_TYPES[dtype], threads, block, items, "true" if streaming else "false")
+    arguments = (C_TYPES[dtype], threads, block, items, "true" if streaming else "false", settings["min_blocks"])
     return Instance("rotary.cu", "rotary", arguments, block, threads)
 
 
@@ -341,18 +349,20 @@ class CompiledOps:
         instance = rotary_instance(q.dtype, q.shape[-1], _streaming_stores(rows))
         # As rotary.cu numbers its slots: a token's q slots, then its k slots, `items` heads each.
         items = _launch_settings()["rotary"]["items"]
-        slots = rows * ((q_heads + items - 1) // items + (k_heads + items - 1) // items)
-        if slots >= 2**31:
-            raise ValueError(f"rotary: {slots} head slots ({rows} tokens); the compiled kernel indexes slots with 32 bits")
+        token_slots = (q_heads + items - 1) // items + (k_heads + items - 1) // items
+        slots = rows * token_slots
         slots_per_block = instance.block // SEGMENT * (SEGMENT // instance.group)
+        blocks = -(-slots // slots_per_block)
+        if blocks * slots_per_block > 2**31:  # the last block's padding slots included
+            raise ValueError(f"rotary: {slots} head slots ({rows} tokens); the compiled kernel indexes slots with 31 bits")
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
             (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
-            q_heads, k_heads, q_tokens.tokens, rows, q.shape[-1], cos_sin_cache.shape[1], position_offset,
-            float(eps), int(norm), int(interleaved),
+            q_heads, k_heads, q_tokens.tokens, divisor(q_tokens.tokens), divisor(token_slots), rows, q.shape[-1],
+            cos_sin_cache.shape[1], position_offset, float(eps), int(norm), int(interleaved),
         ]
-        return CompiledLaunch(instance, (-(-slots // slots_per_block), 1, 1), arguments)
+        return CompiledLaunch(instance, (blocks, 1, 1), arguments)
 
     def qk_norm_rope__launch(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
                              position_offset):

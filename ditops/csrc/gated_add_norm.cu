@@ -9,7 +9,7 @@
 #include "row_tile.cuh"
 
 template <typename T, typename P, bool AFFINE, int ROW_THREADS, int CHUNKS, int BLOCK, int MIN_BLOCKS>
-__global__ void ROW_LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) gated_add_norm(
+__global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) gated_add_norm(
     Rows x, Rows branch, Modulation gate, Modulation scale, const P* __restrict__ weight, const P* __restrict__ bias, const P* __restrict__ weight2,
     const P* __restrict__ bias2, T* __restrict__ out, T* __restrict__ y, float eps, long long rms, long long tanh_gate, long long rows, long long tokens,
     long long hidden) {

@@ -140,6 +140,20 @@ struct ModulationRow {
     }
 };
 
+// Division by a number d fixed for the launch, of values below 2^31 (slots, rows), as a multiply
+// and shifts (Granlund and Montgomery): with shift = ceil(log2 d) and multiplier = ceil(2^(31 +
+// shift) / d), below 2^32, the high word of 2 * value * multiplier shifted right by shift is the
+// exact quotient for every such value, in three 32-bit instructions where a division is some
+// 20. ditops/backends/compiled.py (`divisor`) computes both.
+struct Divisor {
+    long long multiplier;
+    long long shift;
+
+    __device__ unsigned divide(unsigned value) const {
+        return __umulhi(value << 1, static_cast<unsigned>(multiplier)) >> static_cast<unsigned>(shift);
+    }
+};
+
 // An integer tensor [B, S] (or [T], batch_stride 0) of any integer or bool dtype, read as
 // long long: positions and selection indices.
 struct Integers {

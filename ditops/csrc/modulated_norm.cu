@@ -4,7 +4,7 @@
 #include "row_tile.cuh"
 
 template <typename T, typename P, bool AFFINE, int ROW_THREADS, int CHUNKS, int BLOCK, int MIN_BLOCKS>
-__global__ void ROW_LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) modulated_norm(
+__global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) modulated_norm(
     Rows x, Rows residual, Modulation gate, Modulation scale, Modulation shift, const P* __restrict__ weight, const P* __restrict__ bias,
     T* __restrict__ y, T* __restrict__ residual_out, float eps, long long rms, long long rows, long long tokens, long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);

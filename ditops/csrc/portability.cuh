@@ -13,7 +13,7 @@ constexpr int kWarpSize = 64;  // CDNA wavefronts (gfx90a, gfx942, gfx950)
 // Threads per block, and blocks an SM must hold on NVIDIA (which caps registers per thread).
 // HIP's second argument means waves per execution unit; nothing was measured on AMD, so there
 // only the threads.
-#define ROW_LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads)
+#define LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads)
 
 __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor(value, lane_mask, kWarpSize); }
 __device__ inline uint4 load_read_only(const uint4* address) { return *address; }
@@ -53,7 +53,7 @@ template <> __device__ inline unsigned float_to_bits<bfloat16>(float value) {
 #include <cuda_bf16.h>
 
 constexpr int kWarpSize = 32;
-#define ROW_LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
+#define LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
 constexpr unsigned kAllLanes = 0xffffffffu;  // every kernel calls lane exchanges with the whole warp
 
 __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor_sync(kAllLanes, value, lane_mask); }

@@ -36,25 +36,26 @@ struct CosSinCache {
 };
 
 // STREAMING: q and k stored with the streaming cache hint (a template flag: chosen at run time
-// per store, it made the float16 instances spill on sm_90).
-template <typename T, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING>
-__global__ void __launch_bounds__(BLOCK) rotary(
+// per store, it made the float16 instances spill on sm_90). MIN_BLOCKS: the launch table's.
+template <typename T, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS>
+__global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
     Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
-    long long q_heads, long long k_heads, long long tokens, long long rows, long long head_size, long long rotary_dim,
+    long long q_heads, long long k_heads, long long tokens, Divisor by_tokens, Divisor by_token_slots, long long rows, long long head_size,
+    long long rotary_dim,
     long long position_offset, float eps, long long norm, long long interleaved) {
     constexpr int kSegmentHeads = kSegment / HEAD_THREADS;
     static_assert(kSegmentHeads >= 1 && BLOCK % kSegment == 0, "whole heads in whole segments");
     const int segment_lane = threadIdx.x % kSegment, member = segment_lane % HEAD_THREADS;
     const int column = member * kChunk;
 
-    // This thread's slot, token and tensor. 32-bit: the launch code keeps rows * token_slots
-    // below 2^31, and 64-bit division is slow.
+    // This thread's slot, token and tensor. 32-bit: the launch code keeps every slot of the grid
+    // below 2^31 (as Divisor requires), and 64-bit division is slow.
     const unsigned q_slots = static_cast<unsigned>((q_heads + ITEMS - 1) / ITEMS);
     const unsigned token_slots = q_slots + static_cast<unsigned>((k_heads + ITEMS - 1) / ITEMS);
     const unsigned slot = blockIdx.x * (BLOCK / kSegment * kSegmentHeads) + threadIdx.x / kSegment * kSegmentHeads
                           + segment_lane / HEAD_THREADS;
-    const unsigned row = slot / token_slots, token_slot = slot - row * token_slots;
-    const unsigned batch = row / static_cast<unsigned>(tokens), token = row - batch * static_cast<unsigned>(tokens);
+    const unsigned row = by_token_slots.divide(slot), token_slot = slot - row * token_slots;
+    const unsigned batch = by_tokens.divide(row), token = row - batch * static_cast<unsigned>(tokens);
     const bool in_q = token_slot < q_slots;
     const Heads tensor = in_q ? q : k;
     const long long heads = in_q ? q_heads : k_heads;
@@ -125,8 +126,16 @@ __global__ void __launch_bounds__(BLOCK) rotary(
             }
         }
         lane_group_sums<HEAD_THREADS>(inverse_rms, member);
+        // x / Dh as x * (1 / Dh) where that is exact (Dh a power of two, so HEAD_THREADS too): the
+        // same bits, one division a thread rather than ITEMS
+        const float inverse_head_size = 1.0f / static_cast<float>(head_size);
+        if ((HEAD_THREADS & (HEAD_THREADS - 1)) == 0 && (head_size & (head_size - 1)) == 0) {
 #pragma unroll
-        for (int item = 0; item < ITEMS; ++item) inverse_rms[item] = rsqrtf(inverse_rms[item] / head_size + eps);
+            for (int item = 0; item < ITEMS; ++item) inverse_rms[item] = rsqrtf(inverse_rms[item] * inverse_head_size + eps);
+        } else {
+#pragma unroll
+            for (int item = 0; item < ITEMS; ++item) inverse_rms[item] = rsqrtf(inverse_rms[item] / head_size + eps);
+        }
     }
 
     // The NeoX partner chunk lies R/2 / 8 lanes away in the same head.

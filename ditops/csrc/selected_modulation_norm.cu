@@ -4,7 +4,7 @@
 #include "row_tile.cuh"
 
 template <typename T, typename P, bool AFFINE, int ROW_THREADS, int CHUNKS, int BLOCK, int MIN_BLOCKS>
-__global__ void ROW_LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) selected_modulation_norm(
+__global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) selected_modulation_norm(
     Rows x, Rows residual, Modulation residual_gate, Integers index,
     Modulation scale0, Modulation shift0, Modulation gate0, Modulation scale1, Modulation shift1, Modulation gate1,
     const P* __restrict__ weight, const P* __restrict__ bias, T* __restrict__ y, T* __restrict__ residual_out, T* __restrict__ gate_out,
