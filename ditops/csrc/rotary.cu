@@ -40,9 +40,8 @@ struct CosSinCache {
 template <typename T, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS>
 __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
     Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
-    long long q_heads, long long k_heads, long long tokens, Divisor by_tokens, Divisor by_token_slots, long long rows, long long head_size,
-    long long rotary_dim,
-    long long position_offset, float eps, long long norm, long long interleaved) {
+    long long q_heads, long long k_heads, long long tokens, Divisor by_tokens, Divisor by_token_slots, long long rows,
+    long long head_size, long long rotary_dim, long long position_offset, float eps, long long norm, long long interleaved) {
     constexpr int kSegmentHeads = kSegment / HEAD_THREADS;
     static_assert(kSegmentHeads >= 1 && BLOCK % kSegment == 0, "whole heads in whole segments");
     const int segment_lane = threadIdx.x % kSegment, member = segment_lane % HEAD_THREADS;
