@@ -121,6 +121,20 @@ def test_divisor_gives_the_exact_quotient_of_every_index_below_2_31():
                 assert ((2 * n * multiplier) >> 32) >> shift == n // d, (n, d)
 
 
+def test_rotary_calls_whose_padded_slots_reach_2_31_are_refused():
+    """Divisor is exact below 2**31 only, and the last block's padding slots are divided too
+    (they store nothing only if their row comes out past the end): a call whose grid reaches
+    2**31 slots is a ValueError even where its own slots stay below (expanded views: no memory)."""
+    from ditops.backends.cuda import KERNELS
+
+    cache = torch.empty(16, 80)
+    head = torch.empty(1, 1, 80, dtype=torch.bfloat16)  # Dh 80: 12 slots a block, which 2**31 is no multiple of
+    launch = KERNELS.rope__launch(head.expand(2**31 - 8, 1, 80), None, cache, None, False, 80, 0)
+    assert launch.grid[0] * 12 <= 2**31
+    with pytest.raises(ValueError, match=r"q: 2147483647 tokens make 2147483652 head slots"):
+        KERNELS.rope__launch(head.expand(2**31 - 1, 1, 80), None, cache, None, False, 80, 0)
+
+
 def _rotary_table(monkeypatch, streaming_stores):
     """The compiled launch table with the rotary kernel's streaming-store token range replaced."""
     settings = {**compiled._launch_settings()}

@@ -353,8 +353,9 @@ class CompiledOps:
         slots = rows * token_slots
         slots_per_block = instance.block // SEGMENT * (SEGMENT // instance.group)
         blocks = -(-slots // slots_per_block)
-        if blocks * slots_per_block > 2**31:  # the last block's padding slots included
-            raise ValueError(f"rotary: {slots} head slots ({rows} tokens); the compiled kernel indexes slots with 31 bits")
+        if blocks * slots_per_block > 2**31:  # the last block's padding slots included (Divisor's range)
+            raise ValueError(f"q: {rows} tokens make {blocks * slots_per_block} head slots with the last block's padding; "
+                             f"the compiled rotary kernel wants fewer than 2**31")
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
