@@ -127,8 +127,8 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
         lane_group_sums<HEAD_THREADS>(inverse_rms, member);
         // x / Dh as x * (1 / Dh) where that is exact (Dh a power of two, so HEAD_THREADS too): the
         // same bits, one division a thread rather than ITEMS
-        const float inverse_head_size = 1.0f / static_cast<float>(head_size);
         if ((HEAD_THREADS & (HEAD_THREADS - 1)) == 0 && (head_size & (head_size - 1)) == 0) {
+            const float inverse_head_size = 1.0f / static_cast<float>(head_size);
 #pragma unroll
             for (int item = 0; item < ITEMS; ++item) inverse_rms[item] = rsqrtf(inverse_rms[item] * inverse_head_size + eps);
         } else {
