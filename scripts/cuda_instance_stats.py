@@ -52,12 +52,13 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=3072, help="D (row kernels)")
     parser.add_argument("--affine", action="store_true", help="the instance for calls with a norm weight or bias")
     parser.add_argument("--head-size", type=int, default=128, help="Dh (rotary)")
+    parser.add_argument("--neox", action="store_true", help="the NeoX instance (rotary; default: interleaved)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--sass", action="store_true", help="count machine instructions (needs nvdisasm)")
     arguments = parser.parse_args()
     dtype = getattr(torch, arguments.dtype)
     if arguments.kernel == "rotary":
-        instance = compiled.rotary_instance(dtype, arguments.head_size)
+        instance = compiled.rotary_instance(dtype, arguments.head_size, not arguments.neox)
     else:
         param_dtype = getattr(torch, arguments.param_dtype or arguments.dtype)
         instance = compiled.row_instance(arguments.kernel, dtype, param_dtype, arguments.hidden, arguments.affine)

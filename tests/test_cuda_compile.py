@@ -42,7 +42,8 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
             for kernel, affine in itertools.product(compiled.ROW_KERNELS, (False, True)):
                 assert compiled.row_instance(kernel, dtype, param_dtype, hidden, affine) in tested
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
-        assert {compiled.rotary_instance(dtype, head_size, streaming) for streaming in (False, True)} <= tested
+        assert {compiled.rotary_instance(dtype, head_size, interleaved, streaming)
+                for interleaved, streaming in itertools.product((False, True), (False, True))} <= tested
 
 
 def test_min_blocks_come_from_the_launch_table_for_16_bit_rows_only():
@@ -128,10 +129,10 @@ def test_rotary_calls_whose_padded_slots_reach_2_31_are_refused():
     from ditops.backends.cuda import KERNELS
 
     cache = torch.empty(16, 80)
-    head = torch.empty(1, 1, 80, dtype=torch.bfloat16)  # Dh 80: 12 slots a block, which 2**31 is no multiple of
+    head = torch.empty(1, 1, 80, dtype=torch.bfloat16)  # Dh 80 NeoX: 24 slots a block, which 2**31 is no multiple of
     launch = KERNELS.rope__launch(head.expand(2**31 - 8, 1, 80), None, cache, None, False, 80, 0)
-    assert launch.grid[0] * 12 <= 2**31
-    with pytest.raises(ValueError, match=r"q: 2147483647 tokens make 2147483652 head slots"):
+    assert launch.grid[0] * 24 <= 2**31
+    with pytest.raises(ValueError, match=r"q: 2147483647 tokens make 2147483664 head slots"):
         KERNELS.rope__launch(head.expand(2**31 - 1, 1, 80), None, cache, None, False, 80, 0)
 
 
@@ -153,7 +154,7 @@ def test_rotary_calls_in_the_token_range_store_with_the_streaming_hint(monkeypat
     for leading in ((512,), (513,), (2, 300), (16384,), (16385,)):
         values = build("rope_", HeadSpec(leading, 4, 2, 64), torch.bfloat16, "cpu", torch.Generator().manual_seed(0))
         arguments, _ = ordered_arguments("rope_", **values)
-        hinted[leading] = KERNELS.rope__launch(*arguments).instance.template_arguments[4]
+        hinted[leading] = KERNELS.rope__launch(*arguments).instance.template_arguments[5]
     assert hinted == {(512,): "false", (513,): "true", (2, 300): "true", (16384,): "true", (16385,): "false"}
 
 

@@ -90,15 +90,20 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
     raise ValueError(f"no compiled launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
 
-def rotary_instance(dtype: torch.dtype, head_size: int, streaming: bool = False) -> Instance:
-    """The rotary kernel for heads of head_size: a thread per chunk of a head, in groups as wide
-    as still pack the most heads into a 32-lane segment (rotary.cu): 16 lanes for Dh 96 (two
-    heads either way), 10 for Dh 72 and 80 (three). streaming: the instance that stores q and
-    k with the streaming cache hint (_streaming_stores says for which calls)."""
+def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False) -> Instance:
+    """The rotary kernel for heads of head_size in one pair layout: a thread per chunk of a head
+    (interleaved: its pairs lie in a chunk) or per two chunks (NeoX: a pair's values lie R/2
+    apart), in groups as wide as still pack the most heads into a 32-lane segment (rotary.cu).
+    Interleaved: 16 lanes for Dh 96 (two heads), 10 for Dh 80 (three); NeoX: 6 (five heads) and
+    5 (six). streaming: the instance that stores q and k with the streaming cache hint
+    (_streaming_stores says for which calls)."""
     settings = _launch_settings()["rotary"]
-    threads = SEGMENT // (SEGMENT // (head_size // CHUNK))
-    block, items = settings["block"], settings["items"]
-    arguments = (C_TYPES[dtype], threads, block, items, "true" if streaming else "false", settings["min_blocks"])
+    layout = "interleaved" if interleaved else "neox"
+    chunks = -(-head_size // (CHUNK if interleaved else 2 * CHUNK))  # a lane's share of the head
+    threads = SEGMENT // (SEGMENT // chunks)
+    block, items = settings["block"], settings["items"][layout]
+    arguments = (C_TYPES[dtype], "true" if interleaved else "false", threads, block, items,
+                 "true" if streaming else "false", settings["min_blocks"])
     return Instance("rotary.cu", "rotary", arguments, block, threads)
 
 
@@ -122,8 +127,8 @@ def all_instances() -> list:
         for param_dtype, kernel, entry, affine in itertools.product(C_TYPES, ROW_KERNELS, _launch_settings()["rows"],
                                                                     (False, True)):
             instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"], affine))
-        instances += [rotary_instance(dtype, head_size, streaming)
-                      for head_size, streaming in itertools.product(ROTARY_HEAD_SIZES, (False, True))]
+        instances += [rotary_instance(dtype, head_size, interleaved, streaming)
+                      for head_size, interleaved, streaming in itertools.product(ROTARY_HEAD_SIZES, (False, True), (False, True))]
     return list(dict.fromkeys(instances))
 
 
@@ -346,9 +351,9 @@ class CompiledOps:
         rows = q_tokens.batch * q_tokens.tokens
         if rows == 0 or q_heads + k_heads == 0 or q.shape[-1] == 0:
             return None
-        instance = rotary_instance(q.dtype, q.shape[-1], _streaming_stores(rows))
+        instance = rotary_instance(q.dtype, q.shape[-1], interleaved, _streaming_stores(rows))
         # As rotary.cu numbers its slots: a token's q slots, then its k slots, `items` heads each.
-        items = _launch_settings()["rotary"]["items"]
+        items = _launch_settings()["rotary"]["items"]["interleaved" if interleaved else "neox"]
         token_slots = (q_heads + items - 1) // items + (k_heads + items - 1) // items
         slots = rows * token_slots
         slots_per_block = instance.block // SEGMENT * (SEGMENT // instance.group)
@@ -361,7 +366,7 @@ class CompiledOps:
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
             (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
             q_heads, k_heads, q_tokens.tokens, divisor(q_tokens.tokens), divisor(token_slots), rows, q.shape[-1],
-            cos_sin_cache.shape[1], position_offset, float(eps), int(norm), int(interleaved),
+            cos_sin_cache.shape[1], position_offset, float(eps), int(norm),
         ]
         return CompiledLaunch(instance, (blocks, 1, 1), arguments)
 

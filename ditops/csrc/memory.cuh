@@ -101,6 +101,21 @@ __device__ inline float load_of_dtype(const void* data, long long dtype, long lo
     return to_float(static_cast<const bfloat16*>(data)[offset]);
 }
 
+// Four values of a run-time dtype at offset (16 bytes of float, 8 of 16-bit data, that aligned):
+// the rotary kernel's cos or sin of four interleaved pairs.
+__device__ inline void load_quad_of_dtype(const void* data, long long dtype, long long offset, float* values) {
+    if (dtype == kFloat32) {
+        const uint4 word = load_read_only(reinterpret_cast<const uint4*>(static_cast<const float*>(data) + offset));
+        values[0] = __uint_as_float(word.x), values[1] = __uint_as_float(word.y);
+        values[2] = __uint_as_float(word.z), values[3] = __uint_as_float(word.w);
+    } else {
+        const uint2 word = load_read_only(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(data) + offset));
+        const unsigned halves[4] = {word.x & 0xffffu, word.x >> 16, word.y & 0xffffu, word.y >> 16};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) values[i] = dtype == kFloat16 ? bits_to_float<float16>(halves[i]) : bits_to_float<bfloat16>(halves[i]);
+    }
+}
+
 // Rows of an activation [B, S, D] (or [N, D] as B = 1) whose last dimension has stride 1.
 struct Rows {
     const void* data;
