@@ -504,6 +504,24 @@ def test_a_measured_preference_moves_its_backend_first_where_it_was_measured(nam
         assert ditops.explain("residual_norm_scale_shift", **arguments).selected == expected
 
 
+@pytest.mark.parametrize("name, head_size, interleaved, compiled, expected", [
+    ("NVIDIA H200", 128, False, False, "cuda"),
+    ("NVIDIA H100 80GB HBM3", 128, False, False, "cuda"),
+    ("NVIDIA H100 80GB HBM3", 96, False, False, "cuda"),
+    ("NVIDIA H200", 96, False, False, "triton"),  # measured: triton there
+    ("NVIDIA H100 80GB HBM3", 80, False, False, "triton"),  # a tie: the order of ops
+    ("NVIDIA H200", 128, True, False, "triton"),  # interleaved
+    ("NVIDIA H200", 128, False, True, "triton"),  # traced into a compiled graph: Inductor launches triton
+    ("NVIDIA A100-SXM4-80GB", 128, False, False, "triton"),
+])
+def test_the_rope_preference_holds_for_the_measured_layout_and_head_sizes(name, head_size, interleaved, compiled, expected):
+    for tokens in (16, 333):  # never by token count
+        arguments = example_arguments("rope_", (tokens, 4, head_size), torch.bfloat16)
+        with _named("sm_90" if "A100" not in name else "sm_80", name):
+            explanation = ditops.explain("rope_", **arguments, interleaved=interleaved, compiled=compiled)
+        assert explanation.selected == expected, tokens
+
+
 def test_a_preferred_backend_that_refuses_leaves_the_order_of_ops():
     arguments = example_arguments("residual_norm_scale_shift", (1, 4, 5120), torch.bfloat16)  # mixed parameter dtypes
     with _named("sm_90", "NVIDIA H200"):
