@@ -65,16 +65,6 @@ __device__ inline void load_chunk(const T* source, float (&values)[kChunk]) {
     for (int e = 0; e < kChunk; ++e) values[e] = word_element<T>(words, e);
 }
 
-// For data this kernel also writes (the in-place q and k): a plain, coherent load.
-template <typename T>
-__device__ inline void load_written_chunk(const T* source, float (&values)[kChunk]) {
-    uint4 words[ChunkWords<T>::count];
-#pragma unroll
-    for (int w = 0; w < ChunkWords<T>::count; ++w) words[w] = reinterpret_cast<const uint4*>(source)[w];
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) values[e] = word_element<T>(words, e);
-}
-
 // STREAMING: with the streaming cache hint (the same bits either way).
 template <bool STREAMING = false, typename T>
 __device__ inline void store_chunk(T* target, const float (&values)[kChunk]) {
@@ -93,12 +83,6 @@ __device__ inline void load_chunk_of_dtype(const void* data, long long dtype, lo
     if (dtype == kFloat32) load_chunk(static_cast<const float*>(data) + offset, values);
     else if (dtype == kFloat16) load_chunk(static_cast<const float16*>(data) + offset, values);
     else load_chunk(static_cast<const bfloat16*>(data) + offset, values);
-}
-
-__device__ inline float load_of_dtype(const void* data, long long dtype, long long offset) {
-    if (dtype == kFloat32) return static_cast<const float*>(data)[offset];
-    if (dtype == kFloat16) return to_float(static_cast<const float16*>(data)[offset]);
-    return to_float(static_cast<const bfloat16*>(data)[offset]);
 }
 
 // Four values of a run-time dtype at offset (16 bytes of float, 8 of 16-bit data, that aligned):

@@ -1,12 +1,13 @@
 // Ops 5 and 6, in place: per token and head, optionally RMSNorm over the head (q_weight or
 // k_weight), then RoPE on the first R dims.
 //
-// A head is held by HEAD_THREADS >= Dh / 16 consecutive lanes, two chunks of 8 values each
-// (lanes past Dh idle), chosen so that a lane's rotated pairs are all its own (see `pair`
-// below): no lane exchanges values but for the norm's sum. A head never straddles a 32-lane
-// segment: a segment holds 32 / HEAD_THREADS heads' lanes, its slots. The launch code picks the
-// widest HEAD_THREADS that packs as many heads per segment as Dh / 16 lanes would, so few
-// instances serve every Dh at no cost in lanes. A slot takes up to ITEMS heads of one token
+// A head is held by HEAD_THREADS consecutive lanes, each holding whole rotated pairs (see
+// `kLaneChunks` below): one chunk of 8 values a lane for interleaved pairs (at least Dh / 8
+// lanes), two for NeoX pairs (at least Dh / 16), so no lane exchanges values but for the
+// norm's sum; lanes past Dh idle. A head never straddles a 32-lane segment: a segment holds
+// 32 / HEAD_THREADS heads' lanes, its slots. The launch code picks the widest HEAD_THREADS
+// that packs as many heads per segment as the fewest lanes would, so few instances serve
+// every Dh at no cost in lanes. A slot takes up to ITEMS heads of one token
 // and one tensor, loaded together: a token (a row of the B * S) has ceil(Hq / ITEMS) q slots
 // then ceil(Hk / ITEMS) k slots, consecutive in the grid (they may straddle blocks, and a block
 // holds several tokens when heads are few), and slot j of a tensor takes its heads j,
