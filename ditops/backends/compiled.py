@@ -98,13 +98,16 @@ def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, strea
     5 (six). streaming: the instance that stores q and k with the streaming cache hint
     (_streaming_stores says for which calls)."""
     settings = _launch_settings()["rotary"]
-    layout = "interleaved" if interleaved else "neox"
     chunks = -(-head_size // (CHUNK if interleaved else 2 * CHUNK))  # a lane's share of the head
-    threads = SEGMENT // (SEGMENT // chunks)
-    block, items = settings["block"], settings["items"][layout]
-    arguments = (C_TYPES[dtype], "true" if interleaved else "false", threads, block, items,
+    threads, block = SEGMENT // (SEGMENT // chunks), settings["block"]
+    arguments = (C_TYPES[dtype], "true" if interleaved else "false", threads, block, _rotary_items(interleaved),
                  "true" if streaming else "false", settings["min_blocks"])
     return Instance("rotary.cu", "rotary", arguments, block, threads)
+
+
+def _rotary_items(interleaved: bool) -> int:
+    """Heads a rotary thread takes (ITEMS): the launch table's, per pair layout."""
+    return _launch_settings()["rotary"]["items"]["interleaved" if interleaved else "neox"]
 
 
 def _streaming_stores(tokens: int) -> bool:
@@ -353,7 +356,7 @@ class CompiledOps:
             return None
         instance = rotary_instance(q.dtype, q.shape[-1], interleaved, _streaming_stores(rows))
         # As rotary.cu numbers its slots: a token's q slots, then its k slots, `items` heads each.
-        items = _launch_settings()["rotary"]["items"]["interleaved" if interleaved else "neox"]
+        items = _rotary_items(interleaved)
         token_slots = (q_heads + items - 1) // items + (k_heads + items - 1) // items
         slots = rows * token_slots
         slots_per_block = instance.block // SEGMENT * (SEGMENT // instance.group)
