@@ -114,6 +114,9 @@ HEAD_SPECS = {
     "llm-gqa-neox": HeadSpec((33,), 8, 2, 128, interleaved=False, positions=torch.int64),
     "dh80-int32-positions": HeadSpec((2, 9), 4, 4, 80, positions=torch.int32),
     "dh96-mqa-neox": HeadSpec((17,), 4, 1, 96, interleaved=False, positions=torch.int64),
+    # a NeoX head of Dh 80 is 5 lanes of the CUDA kernel, 6 heads a 32-lane segment: 7 q heads
+    # cross a segment's end
+    "dh80-gqa-neox": HeadSpec((19,), 7, 3, 80, interleaved=False, positions=torch.int64),
     "partial-rotary": HeadSpec((2, 6), 2, 2, 128, rotary_dim=64, interleaved=False, position_offset=3),
     "partial-rotary-interleaved": HeadSpec((12,), 3, 3, 64, rotary_dim=32),
     # 2 * 64 rotated + 256 passed-through values per head: a tile of 2048 holds 5 heads, and a
