@@ -1,6 +1,6 @@
 """ditops: fused ops for diffusion transformers, one API on NVIDIA and AMD GPUs.
 
-The ops (OPS.md) dispatch to the best backend for their inputs; ``use_backend``,
+The ops (docs/ops.md) dispatch to the best backend for their inputs; ``use_backend``,
 ``DITOPS_BACKEND`` and ``DITOPS_CONFIG`` / ``load_config`` override the choice and
 ``explain`` says what would run and why.
 """

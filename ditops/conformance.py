@@ -2,13 +2,13 @@
 
 A ``Case`` builds the keyword arguments of one public op (fresh random inputs for a
 dtype). ``run_case`` calls one backend's implementation directly on outputs poisoned
-with NaN, compares every output with the oracle under OPS.md's tolerances, then calls
+with NaN, compares every output with the oracle under docs/ops.md's tolerances, then calls
 the public op with that backend forced on freshly built identical inputs and requires
 bitwise the same outputs (the dispatch path and run-to-run determinism); where dispatch
 picks that backend by itself, so must the public op's first automatic call and its cached
 second one. A backend that cannot run here, or refuses the case, is skipped with its reason.
 
-The cases are real model shapes of OPS.md scaled down (fewer tokens and heads, real D
+The cases are real model shapes of docs/ops.md scaled down (fewer tokens and heads, real D
 and Dh), odd sizes, every modulation form, strided, expanded and misaligned views,
 GQA/MQA, partial rotary, position offsets and empty inputs. Used by
 tests/conformance and by ``ditops check``.
@@ -31,7 +31,7 @@ from .ops import OPS, PUBLIC, ordered_arguments
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol (OPS.md)
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol (docs/ops.md)
 
 OUTPUT_NAMES = {
     "norm_scale_shift": ("y",),
@@ -167,7 +167,7 @@ def _widen(value):
 
 
 def oracle(op: str, arguments: dict, dtype: torch.dtype) -> tuple:
-    """The expected outputs in float64. Where OPS.md stores an intermediate (residual_out,
+    """The expected outputs in float64. Where docs/ops.md stores an intermediate (residual_out,
     out) and normalises it as stored, the oracle rounds it to ``dtype`` at the same point,
     then normalises with the call's own norm, affine parameters and eps (defaults filled in)."""
     wide = {name: _widen(value) for name, value in arguments.items()}
@@ -197,7 +197,7 @@ def oracle(op: str, arguments: dict, dtype: torch.dtype) -> tuple:
 
 def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
             conditioning: float = 1.0) -> Optional[str]:
-    """None if ``actual`` meets OPS.md's tolerances against the float64 ``expected``, else why not.
+    """None if ``actual`` meets docs/ops.md's tolerances against the float64 ``expected``, else why not.
 
     ``conditioning`` (>= 1): how much the inputs' rows amplify the float32 arithmetic's
     rounding (a LayerNorm row of tiny variance around a large mean: tests/test_fuzz.py); the

@@ -1,4 +1,4 @@
-"""The public ops (OPS.md) and their call path, top to bottom: signature -> plan -> launch.
+"""The public ops (docs/ops.md) and their call path, top to bottom: signature -> plan -> launch.
 
 An eager call of an op:
 1. checks its **call signature** (dispatch/signature.py: every tensor's type, shape, strides,

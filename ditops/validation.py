@@ -1,4 +1,4 @@
-"""Input validation shared by every backend (OPS.md, "General rules").
+"""Input validation shared by every backend (docs/ops.md, "General rules").
 
 Every public op validates its arguments here before anything is allocated or written.
 A bad argument raises ``ValueError`` naming the op, the argument, what it got and what
@@ -86,7 +86,7 @@ def rows(op: str, name: str, x: torch.Tensor) -> RowShape:
 
 
 def modulation(op: str, name: str, t, x_rows: RowShape, device: torch.device) -> str:
-    """Checks a scale/shift/gate tensor against x and returns its form (OPS.md, "Modulation tensors").
+    """Checks a scale/shift/gate tensor against x and returns its form (docs/ops.md, "Modulation tensors").
 
     Forms: "scalar", "vector" (one [D] for all rows), "batch" (one per batch item),
     "token" (one per token), "frame" ([B, F, 1, D]: token s uses frame s // (S // F)).
@@ -193,7 +193,7 @@ def _written_once(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved) -> HeadShape:
-    """Checks the arguments shared by the RoPE ops (OPS.md, "RoPE details").
+    """Checks the arguments shared by the RoPE ops (docs/ops.md, "RoPE details").
 
     Reads no tensor values (see ``position_values``), so its verdict depends on metadata alone.
     """

@@ -71,7 +71,7 @@ def test_every_op_has_cases_with_the_required_variety():
 
 
 def test_oracle_rounds_the_stored_residual_before_the_norm():
-    """y must be checked against the norm of residual_out as stored, per OPS.md."""
+    """y must be checked against the norm of residual_out as stored, per docs/ops.md."""
     case = next(c for c in conformance.CASES if c.id == "residual_norm_scale_shift-wan1.3b-fp32-mod")
     arguments = case.arguments(torch.bfloat16, "cpu")
     y, residual_out = conformance.oracle(case.op, arguments, torch.bfloat16)

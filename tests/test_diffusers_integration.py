@@ -2,7 +2,7 @@
 
 Tolerance: the patched model computes the same math as diffusers with different rounding
 (one rounding per fused op instead of one per torch op), so outputs may differ by what one
-op may differ by (OPS.md: atol = rtol = 1e-5 in float32, 1.6e-2 in bfloat16, and a relative
+op may differ by (docs/ops.md: atol = rtol = 1e-5 in float32, 1.6e-2 in bfloat16, and a relative
 error of the whole tensor of at most 4 eps) for each block the signal went through.
 """
 

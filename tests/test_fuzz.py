@@ -1,10 +1,10 @@
 """Seeded differential fuzzing: random calls of every op, on every backend that runs here (each
 forced with ``backend=``, and the automatic choice), against the float64 oracle of
-ditops.conformance under OPS.md's tolerances.
+ditops.conformance under docs/ops.md's tolerances.
 
 ``fuzz_case(seed, index)`` draws one call from its own random stream: the op; shapes (odd
 and real sizes, GQA/MQA, partial rotary); dtypes of the activations and, separately, of the
-other tensors; every modulation form of OPS.md, as strided and expanded views; activations
+other tensors; every modulation form of docs/ops.md, as strided and expanded views; activations
 contiguous, row-strided, at a storage offset, or with batch and token axes swapped; norms,
 affine weights, eps, gate activation; RoPE positions (int32/int64), offsets, layouts, k=None.
 A failure prints the call and the one line that replays it.
@@ -71,7 +71,7 @@ class Draw:
         return torch.randn(shape, generator=self.values, dtype=torch.float64).to(device=DEVICE, dtype=dtype)
 
     def activation(self, shape, dtype, heads: bool = False):
-        """A tensor of ``shape`` in a random layout that OPS.md allows: the last dim has stride 1
+        """A tensor of ``shape`` in a random layout that docs/ops.md allows: the last dim has stride 1
         and, for q/k (``heads``), heads are Dh apart; rows and tokens may be anywhere."""
         layout = self.choice(("contiguous", "contiguous", "row_strided", "offset", "swapped"))
         row_dims = 2 if heads else 1  # the trailing dims that stay packed

@@ -1,11 +1,11 @@
-"""The reference backend against an independent float64 formulation of OPS.md, plus properties.
+"""The reference backend against an independent float64 formulation of docs/ops.md, plus properties.
 
 The helpers at the top restate each op in a different way from the reference: the norms
 come from torch.nn.functional, modulation tensors are expanded token by token from the
-OPS.md table (no torch broadcasting), and RoPE is a complex multiplication. The reference
+docs/ops.md table (no torch broadcasting), and RoPE is a complex multiplication. The reference
 is called with float64 inputs and must agree to ~1e-12. Then: properties of RoPE and the
 norms (hypothesis), ditops.rope_cos_sin_cache, and the reference in bf16/fp16/fp32 against
-itself in float64 (one rounding per output, within the OPS.md tolerances).
+itself in float64 (one rounding per output, within the docs/ops.md tolerances).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def randn(gen: torch.Generator, *shape, dtype=F64, scale: float = 1.0) -> torch.
 # Independent float64 formulation
 # ----------------------------------------------------------------------------------------
 
-# Modulation shapes of OPS.md: name -> (form, shape as a function of B, S, D, F).
+# Modulation shapes of docs/ops.md: name -> (form, shape as a function of B, S, D, F).
 MODULATION_SHAPES = {
     "[]": ("scalar", lambda B, S, D, F: ()),
     "[1]": ("scalar", lambda B, S, D, F: (1,)),
@@ -62,14 +62,14 @@ SHAPE_NAMES = list(MODULATION_SHAPES)
 
 
 def modulation(gen, name: str, B: int, S: int, D: int, F: int, dtype=F64, scale: float = 0.5) -> torch.Tensor:
-    """A random modulation tensor of the named OPS.md shape."""
+    """A random modulation tensor of the named docs/ops.md shape."""
     return randn(gen, *MODULATION_SHAPES[name][1](B, S, D, F), dtype=dtype, scale=scale)
 
 
 def expand_modulation(t: torch.Tensor, name: str, B: int, S: int, D: int) -> torch.Tensor:
     """The [B, S, D] float64 tensor that a modulation tensor stands for, built token by token.
 
-    Follows the OPS.md table literally: [B, D] is one vector per batch item (not torch
+    Follows the docs/ops.md table literally: [B, D] is one vector per batch item (not torch
     broadcasting), and [B, F, 1, D] gives token s the vector of frame s // (S // F).
     """
     form = MODULATION_SHAPES[name][0]
@@ -665,7 +665,7 @@ LOW = list(TOLERANCES)
 
 
 def assert_rounded_once(got: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype) -> None:
-    """OPS.md conformance: dtype, elementwise tolerances, and ||got - want|| / ||want|| <= 4 eps(dtype)."""
+    """docs/ops.md conformance: dtype, elementwise tolerances, and ||got - want|| / ||want|| <= 4 eps(dtype)."""
     assert got.dtype == dtype and got.shape == want64.shape
     torch.testing.assert_close(got.to(F64), want64, **TOLERANCES[dtype])
     relative = (got.to(F64) - want64).norm() / want64.norm()

@@ -1,4 +1,4 @@
-"""Every bad-input rule of the ops (OPS.md, "General rules") raises a clear ValueError.
+"""Every bad-input rule of the ops (docs/ops.md, "General rules") raises a clear ValueError.
 
 Each case starts from a valid call (the builders below), replaces one or a few arguments
 and checks that the message names the argument, what it got and what it wanted. The

@@ -244,7 +244,7 @@ def _integers(t: Optional[torch.Tensor]) -> tuple:
 
 
 class CompiledOps:
-    """The ops of OPS.md as launches of the csrc kernels. ``<op>_launch`` takes the backend
+    """The ops of docs/ops.md as launches of the csrc kernels. ``<op>_launch`` takes the backend
     calling convention (the op's arguments, then the outputs to write) and returns the
     ``CompiledLaunch`` (None for an empty input); ``functions()`` makes the op functions the
     registry calls, each with the ``bind`` that ditops/ops.py uses for its launch plans."""

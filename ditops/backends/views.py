@@ -1,5 +1,5 @@
 """How kernels of every backend address their tensors: activations as rows of [B, S, D],
-q/k as tokens of heads, and modulation tensors in any form of OPS.md as one addressing rule.
+q/k as tokens of heads, and modulation tensors in any form of docs/ops.md as one addressing rule.
 Launch code turns tensors into these views; kernels read strides, never shapes."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def tokens_of(t: torch.Tensor) -> Tokens:
 
 
 def modulation(t: Optional[torch.Tensor], tokens: int) -> tuple:
-    """A modulation tensor in any form of OPS.md as (tensor, batch_stride, group_stride,
+    """A modulation tensor in any form of docs/ops.md as (tensor, batch_stride, group_stride,
     group_size, dim_stride): token s of batch item b reads t at
     b * batch_stride + (s // group_size) * group_stride + column * dim_stride.
     A size-1 dimension gets stride 0, so [], [1], [D], [1, D], [B, D], [B, 1, D], [1, S, D],

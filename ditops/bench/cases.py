@@ -1,4 +1,4 @@
-"""The benchmark cases: each op at the real shapes of OPS.md, plus a small latency case.
+"""The benchmark cases: each op at the real shapes of docs/ops.md, plus a small latency case.
 
 Inputs are laid out as the models pass them (built by ditops/examples.py, the one argument
 builder): modulation as [B, D] or [B, 1, D] views of [B, 6, D] tensors (float32 in Wan, the

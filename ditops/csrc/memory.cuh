@@ -107,7 +107,7 @@ struct Rows {
     long long token_stride;
 };
 
-// A modulation tensor (of the kernel's parameter dtype P) in any form of OPS.md, as one addressing rule: a scalar has every
+// A modulation tensor (of the kernel's parameter dtype P) in any form of docs/ops.md, as one addressing rule: a scalar has every
 // stride 0, a [D] vector only dim_stride, a per-batch vector a batch_stride, a per-token one
 // a group_stride with group_size 1, a per-frame one a group_stride with group_size = S / F.
 // dim_stride is 0 (one value for the whole row) or 1. data == nullptr: absent.

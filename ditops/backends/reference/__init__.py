@@ -1,4 +1,4 @@
-"""The reference backend: the definition of every op (OPS.md) in plain PyTorch.
+"""The reference backend: the definition of every op (docs/ops.md) in plain PyTorch.
 
 Math runs in float32, or float64 when the activations are float64 (the tests' oracle).
 Each output is rounded once, to the activations' dtype, when it is stored. Every
@@ -27,7 +27,7 @@ def _store(value: Tensor, out: Optional[Tensor], like: Tensor) -> Tensor:
 
 
 def _broadcastable(t: Optional[Tensor], x: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
-    """A modulation tensor in any form of OPS.md, as a tensor that broadcasts against x.
+    """A modulation tensor in any form of docs/ops.md, as a tensor that broadcasts against x.
 
     The forms differ from torch broadcasting in one place: a [B, D] tensor is one vector
     per batch item, and [B, F, 1, D] is one vector per frame of S // F tokens.
@@ -74,7 +74,7 @@ def _modulate(n: Tensor, scale: Tensor, shift: Optional[Tensor], x: Tensor) -> T
 def _gated_sum(x: Tensor, gate: Optional[Tensor], branch: Tensor, compute: torch.dtype) -> Tensor:
     """x + gate * branch in the compute dtype, rounded once (addcmul: a fused multiply-add, as
     the kernels do; rounding the product first moves a residual by an ulp, which a LayerNorm
-    over a row of tiny variance amplifies past OPS.md's tolerance); a gate of None is 1."""
+    over a row of tiny variance amplifies past docs/ops.md's tolerance); a gate of None is 1."""
     if gate is None:
         return x.to(compute) + branch
     return torch.addcmul(x.to(compute), _broadcastable(gate, branch, compute), branch)

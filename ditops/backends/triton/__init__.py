@@ -1,6 +1,6 @@
 """The Triton backend: one portable kernel source per idea (this folder), for NVIDIA and AMD.
 
-Each op of OPS.md is a function ``<op>_launch`` with the backend calling convention (the
+Each op of docs/ops.md is a function ``<op>_launch`` with the backend calling convention (the
 op's arguments, then the outputs to write) that only computes its ``KernelLaunch``; the op
 function itself runs that launch, and carries the two other ways ops.py issues it
 (kernel_launch.py): ``bind`` (a pre-bound launcher for a call signature) and ``trace``

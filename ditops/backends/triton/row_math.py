@@ -74,7 +74,7 @@ def load_modulation(pointer, batch, token, batch_stride, group_stride, group_siz
                     mask):
     """The modulation vectors of rows (batch, token) ([ROWS, 1] each), as a float32 tile.
 
-    Every form of OPS.md is one addressing rule: a scalar has all strides 0, a [D] vector only
+    Every form of docs/ops.md is one addressing rule: a scalar has all strides 0, a [D] vector only
     DIM_STRIDE, a per-batch vector a batch_stride, a per-token one a group_stride with
     group_size 1, and a per-frame one a group_stride with group_size = S // F tokens.
     DIM_STRIDE is a constexpr so that a value shared by all columns (a scalar: 0) is one load

@@ -210,7 +210,7 @@ def plain_layer_norm(norm) -> bool:
 
 def cos_sin_cache(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """diffusers' cos and sin, each [S, Dh] with every pair's value repeated (interleaved RoPE),
-    as the [S, Dh] cache of OPS.md: the Dh/2 cos, then the Dh/2 sin. One row per token of the
+    as the [S, Dh] cache of docs/ops.md: the Dh/2 cos, then the Dh/2 sin. One row per token of the
     tables the model hands the block, so under context parallelism the shard's own rows."""
     cache = torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=1)
     return cache if cache.dtype in (torch.float32, torch.bfloat16, torch.float16) else cache.float()
