@@ -23,6 +23,7 @@ import yaml
 
 from .. import kernel_cache
 from ..dispatch.signature import pointer_index
+from .contract import Kernel
 from .views import modulation, rows_of, tokens_of
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc"
@@ -76,8 +77,8 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
     layout of the first row class with max_hidden >= D; affine: the call has a norm weight or
     bias. That is a template flag, not a run-time test like the kernels' other options,
     because registers are allocated for a kernel's every path: preloaded weight and bias
-    (row_tile.cuh) in the instance that never uses them cost an H100 11% on FLUX.2's D = 6144
-    rows and 3% on HunyuanVideo's (2026-11-25, twelfth session)."""
+    (row_tile.cuh) in an instance that never uses them cost registers, and so occupancy, on
+    the calls without an affine (FLUX.2, HunyuanVideo)."""
     for entry in _launch_settings()["rows"]:
         if hidden <= entry["max_hidden"]:
             threads, chunks = entry["row_threads"], entry["chunks"]
@@ -246,20 +247,14 @@ def _integers(t: Optional[torch.Tensor]) -> tuple:
 class CompiledOps:
     """The ops of docs/ops.md as launches of the csrc kernels. ``<op>_launch`` takes the backend
     calling convention (the op's arguments, then the outputs to write) and returns the
-    ``CompiledLaunch`` (None for an empty input); ``functions()`` makes the op functions the
-    registry calls, each with the ``bind`` that ditops/ops.py uses for its launch plans."""
+    ``CompiledLaunch`` (None for an empty input); ``kernel(launch_of)`` makes the op's
+    ``Kernel`` (backends/contract.py): run, and bind for ditops/ops.py's launch plans."""
 
     def __init__(self, launcher: Launcher, binder: Binder):
         self.launch, self.bind = launcher, binder
 
-    def functions(self) -> dict:
-        """The op functions by op name, as a backend module exports them to the registry."""
-        from ..dispatch.registry import OPS
-
-        return {op: self._function(getattr(self, op + "_launch")) for op in OPS}
-
-    def _function(self, launch_of: Callable) -> Callable:
-        def function(*values):
+    def kernel(self, launch_of: Callable) -> Kernel:
+        def run(*values):
             launch = launch_of(*values)
             if launch is not None:
                 self.launch(launch.instance, launch.grid, PackedArguments(launch.arguments), values[0].get_device())
@@ -284,8 +279,7 @@ class CompiledOps:
 
             return launch_bound
 
-        function.bind = bind
-        return function
+        return Kernel(run, bind)
 
     def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list,
                      norm_params: tuple) -> Optional[CompiledLaunch]:

@@ -1,11 +1,8 @@
 // Op 4 (Z-Image "sandwich" norm): out = x + act(gate) * norm(branch), act = identity or tanh,
 // stored in x's dtype; then optionally y = norm2(out) * (1 + scale), reading out as stored.
 // Its two input rows and two output rows move with the streaming cache hint (read or written
-// once). A-B in one run (graph replay, bf16, 2026-11-26, us, without -> with): add_gate_norm
-// Z-Image (S4608 D3840) H200 37.15 -> 33.30, H100 42.09 -> 41.16; add_gate_norm_scale 55.07 ->
-// 50.62 and 60.98 -> 56.32; their S128 latency rows H200 3.48 -> 3.32 and 4.86 -> 4.55, H100
-// 3.55 -> 3.58 and 5.13 -> 4.75. In modulated_norm the same hints lost 2-9% on
-// norm_scale_shift's rows (H200: HunyuanVideo 397 -> 406, latency 2.76 -> 3.02).
+// once): each row is touched once, so keeping it in L2 only evicts data that is reused.
+// modulated_norm keeps default-policy loads and stores, where the same hints were slower.
 #include "row_tile.cuh"
 
 template <typename T, typename P, bool AFFINE, int ROW_THREADS, int CHUNKS, int BLOCK, int MIN_BLOCKS>

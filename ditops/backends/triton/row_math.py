@@ -93,7 +93,7 @@ def normalize(head, tail, head_mask, tail_mask, hidden, eps, RMS: tl.constexpr):
     """LayerNorm (biased variance) or RMSNorm of each float32 row held as head and tail (zeros
     where masked), before any affine. eps is cast to float32: Inductor passes a Python float
     as float64 (Triton's own launch as float32), which made every value after it float64
-    and the kernel 1.5x slower inside compiled graphs (H100, 2026-11-25)."""
+    and the kernel much slower inside compiled graphs."""
     eps = tl.cast(eps, tl.float32)  # not eps.to: where Inductor analyses the kernel, eps is a Python float
     if RMS:
         inverse = tl.rsqrt((tl.sum(head * head, axis=1) + tl.sum(tail * tail, axis=1))[:, None] / hidden + eps)
