@@ -16,6 +16,7 @@ from collections import Counter, defaultdict
 import torch
 
 from . import __version__, conformance, dispatch, explain
+from .dispatch.selector import device_refusal
 from .examples import DEFAULT_SHAPES, example_arguments
 
 INFO_TOKENS = 128  # dispatch does not depend on the token count; keep the example inputs small
@@ -89,17 +90,29 @@ def _dispatch_scope(arguments):
     return contextlib.nullcontext()
 
 
+def _call_path() -> str:
+    """How a call reaches a kernel in this process; the Triton part from kernel_launch.bind's own test."""
+    try:
+        from .backends.triton.kernel_launch import bound_launch_refusal
+    except ImportError:  # no Triton on this platform: the backends list says so
+        return "call path: python plans (cached per call signature); triton launches: none (the triton backend does not import)"
+    refusal = bound_launch_refusal()
+    triton = "pre-bound (kernel_launch.bind)" if refusal is None else f"triton's own launcher ({refusal})"
+    return f"call path: python plans (cached per call signature); triton launches: {triton}"
+
+
 def info(arguments) -> int:
     device = _simulated(arguments) or dispatch.current_device()
     print(f"ditops {__version__}, torch {torch.__version__}")
     print(f"device: {device}")
     registry = dispatch.dispatcher().registry
     print(f"registry: {', '.join(registry.sources)}")
+    print(_call_path())
     print("\nbackends:")
     width = max(map(len, registry.backends))
-    for name, backend in registry.backends.items():
-        reason = backend.refusal(device)
-        print(f"  {name:<{width}}  {'available' if reason is None else 'unavailable: ' + reason}")
+    for name in registry.backends:
+        reason = device_refusal(name, device)  # what explain says of each of its implementations on this device
+        print(f"  {name:<{width}}  {'available' if reason is None else 'refused: ' + reason}")
     print(f"\ndispatch for typical bfloat16 inputs (tokens cut to {INFO_TOKENS}; the choice does not depend on them):")
     width = max(map(len, dispatch.OPS))
     with _dispatch_scope(arguments):
@@ -209,14 +222,14 @@ def bench(arguments) -> int:
     from . import bench as benchmark
 
     if arguments.plot_from:
-        for path in benchmark.report.plot_file(arguments.plot_from):
+        try:
+            paths = benchmark.report.plot_file(arguments.plot_from)
+        except ValueError as error:
+            raise UsageError(f"--plot-from: {error}") from None
+        for path in paths:
             print(f"wrote {path}")
         return 0
-    for op in arguments.ops or ():
-        try:
-            dispatch.op_name(op)
-        except ValueError as error:
-            raise UsageError(f"--ops: {error}") from None
+    benchmark.checked_cases(arguments.ops, arguments.shapes, arguments.backends, arguments.quick, arguments.dtype)
     try:
         output = benchmark.prepare_output(arguments.output)
     except ValueError as error:
@@ -231,7 +244,7 @@ def bench(arguments) -> int:
         progress=_progress(arguments),
     )
     if not rows:
-        raise UsageError("no case matches --ops/--shapes/--backends")
+        raise UsageError(f"--backends: {', '.join(arguments.backends)} accepted none of the selected cases (ditops explain says why)")
     print(f"\n{info['device']}: copy bandwidth {info['copy_gbps']:.0f} GB/s; torch {info['torch']}, triton {info['triton']}")
     for peer, status in info["peers"].items():
         print(f"  peer {peer}: {status}")

@@ -1,5 +1,7 @@
 """The ditops command: info, explain, check, bench, warmup; --version, progress, bad arguments."""
 
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -40,9 +42,55 @@ def test_info_on_a_simulated_amd_device_with_a_plugged_backend(capsys, toy_regis
     code, out = run(capsys, "info", "--arch", "gfx942")
     assert code == 0
     assert "device: rocm gfx942 [simulated]" in out
-    assert "fast       available" in out  # available on GPUs; its constraints then refuse rocm
+    assert "fast       refused: runs on cuda, not rocm" in out  # available on GPUs; its constraints refuse rocm
+    assert "amd        available" in out
     assert "norm_scale_shift                  [1, 128, 3072] -> amd" in out
     assert "rope_                             [128, 32, 128] -> reference" in out
+
+
+def test_info_refuses_a_backend_as_explain_does(capsys):
+    """On sm_70 the cuda and triton backends import and call themselves available, but their
+    registry constraints (min_sm 80) refuse every call: info says so in explain's words."""
+    code, out = run(capsys, "info", "--arch", "sm_70")
+    assert code == 0
+    _, explained = run(capsys, "explain", "norm_scale_shift", "--arch", "sm_70")
+    for backend in ("cuda", "triton"):
+        assert re.search(rf"^  {backend} +refused: needs sm_80 or newer, got sm_70$", out, re.MULTILINE), out
+        # explain adds what else refuses its example call
+        assert re.search(rf"^  {backend} +refused: needs sm_80 or newer, got sm_70(, and .*)?$", explained, re.MULTILINE), explained
+    assert re.search(r"^  reference +available$", out, re.MULTILINE)
+    for op in dispatch.OPS:
+        assert re.search(rf"^  {op} +\[[0-9, ]+\] -> reference$", out, re.MULTILINE), op
+    code, out = run(capsys, "info", "--arch", "sm_90")
+    assert code == 0
+    assert re.search(r"^  triton +available$", out, re.MULTILINE) and re.search(r"^  cuda +available$", out, re.MULTILINE)
+
+
+def test_info_calls_a_backend_disabled_for_every_op_refused(capsys, toy_registry):
+    code, out = run(capsys, "info", "--arch", "gfx942")
+    assert code == 0
+    assert re.search(r"^  triton +refused: no op has an enabled implementation of it$", out, re.MULTILINE), out
+
+
+CALL_PATHS = {  # (TRITON_INTERPRET, torch.version.hip) -> the Triton half of info's call-path line
+    ("1", None): "triton's own launcher (TRITON_INTERPRET=1)",
+    ("0", "6.2"): "triton's own launcher (ROCm torch: Triton's AMD backend specializes on buffer sizes)",
+    ("0", None): "pre-bound (kernel_launch.bind)",
+}
+
+
+@pytest.mark.parametrize("interpret, hip", CALL_PATHS, ids=["interpreter", "rocm", "nvidia"])
+def test_info_names_the_call_path(capsys, monkeypatch, interpret, hip):
+    """From kernel_launch.bind's own test of whether it can pre-bind a launch."""
+    from ditops.backends.triton import kernel_launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    code, out = run(capsys, "info")
+    assert code == 0
+    line = f"call path: python plans (cached per call signature); triton launches: {CALL_PATHS[interpret, hip]}"
+    assert line in out.splitlines()
+    assert (kernel_launch.bound_launch_refusal() is None) == ((interpret, hip) == ("0", None))
 
 
 def test_explain(capsys, toy_registry):
@@ -141,6 +189,78 @@ def test_bench_refuses_an_unwritable_output_folder_before_running(capsys, tmp_pa
     code, out, err = run_both(capsys, "bench", "--output", str(blocker / "results"))
     assert code == 2 and out == ""
     assert err.startswith(f"ditops bench: --output: cannot write results to '{blocker / 'results'}'")
+
+
+def _bench_error(capsys, *argv) -> str:
+    """The one stderr line of a ditops bench call that must fail with exit code 2, printing nothing else."""
+    code, out, err = run_both(capsys, "bench", *argv)
+    assert code == 2 and out == ""
+    assert err.endswith("\n") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.removesuffix("\n")
+
+
+def test_bench_plot_from_a_path_without_results(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "rows.json").write_text('{"rows": [{"op": "rope_"}]}')
+    (tmp_path / "table.csv").write_text("op,model\n")
+    (tmp_path / "results").mkdir()
+    wanted = "wanted a results .json file written by ditops bench"
+    assert _bench_error(capsys, "--plot-from", "missing.json") == f"ditops bench: --plot-from: got 'missing.json', which does not exist; {wanted}"
+    assert _bench_error(capsys, "--plot-from", "empty.json") == f"ditops bench: --plot-from: got 'empty.json', which has no 'rows' list; {wanted}"
+    assert _bench_error(capsys, "--plot-from", "results") == f"ditops bench: --plot-from: got 'results', a folder; {wanted}"
+    assert _bench_error(capsys, "--plot-from", "rows.json") == (
+        f"ditops bench: --plot-from: got 'rows.json', whose rows[0] lacks model, shape, candidate; {wanted}")
+    assert _bench_error(capsys, "--plot-from", "table.csv").startswith(
+        "ditops bench: --plot-from: got 'table.csv', which is not JSON (Expecting value: line 1 column 1")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty.json", "results", "rows.json", "table.csv"]
+    assert not any((tmp_path / "results").iterdir())
+
+
+def test_bench_plot_from_a_results_file(capsys, tmp_path):
+    row = dict(op="rope_", model="latency", shape="T1 H1 Dh64", candidate="eager", pct_copy=10.0)
+    (tmp_path / "run.json").write_text(json.dumps(dict(device="CPU", copy_gbps=1.0, rows=[row])))
+    code, out = run(capsys, "bench", "--plot-from", str(tmp_path / "run.json"))
+    assert code == 0
+    if importlib.util.find_spec("matplotlib"):
+        assert out == f"wrote {tmp_path / 'run_rope_.png'}\n" and (tmp_path / "run_rope_.png").is_file()
+
+
+BENCH_ERRORS = {  # argv -> the whole stderr line; each before any output and any file or folder
+    "unknown backend": (["--backends", "eager", "triton_fast"],
+                        "--backends: got 'triton_fast'; wanted some of auto, reference, cuda, rocm, triton, eager, torch.compile, liger, flashinfer"),
+    "unknown op": (["--ops", "nope"], "--ops: unknown op 'nope'; the ops are " + ", ".join(dispatch.OPS)),
+    "shape of no case": (["--shapes", "latency", "FLUX.3"], "--shapes: no case's model or shape contains 'FLUX.3'; the models are "
+                         + ", ".join(dict.fromkeys(case.model for case in CASES))),
+    "dtype without tolerances": (["--dtype", "float64"], "--dtype: results are checked with tolerances for float32, float16, bfloat16; got float64"),
+    "filters that exclude each other": (["--ops", "rope", "--shapes", "LLM", "--quick"],
+                                        "no case matches --ops rope --shapes LLM --quick together; each of them alone matches cases"),
+}
+if not torch.cuda.is_available():
+    BENCH_ERRORS["backend refused here"] = (["--backends", "triton"], "--backends: triton can run nothing on cpu: Triton kernels run on "
+                                            "NVIDIA and AMD GPUs (on CPU tensors: TRITON_INTERPRET=1 and a simulated device)")
+
+
+@pytest.mark.parametrize("argv, message", BENCH_ERRORS.values(), ids=BENCH_ERRORS)
+def test_bench_checks_its_filters_before_any_output(capsys, tmp_path, monkeypatch, argv, message):
+    from ditops import bench
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "run_case", lambda *a, **k: pytest.fail("a case ran before the filters were checked"))
+    assert _bench_error(capsys, *argv) == f"ditops bench: {message}"
+    assert not any(tmp_path.iterdir())  # no ./benchmarks/results
+
+
+def test_bench_that_fails_after_checking_its_output_leaves_no_folder(capsys, tmp_path, monkeypatch):
+    from ditops import bench
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: ([], {}, []))  # every candidate refused every case
+    assert _bench_error(capsys, "--backends", "reference") == (
+        "ditops bench: --backends: reference accepted none of the selected cases (ditops explain says why)")
+    assert not any(tmp_path.iterdir())
+    assert bench.prepare_output(tmp_path / "a" / "b") == tmp_path / "a" / "b"  # writable, proved without a trace
+    assert not any(tmp_path.iterdir())
 
 
 def test_bench_prints_the_table_before_writing_files(capsys, tmp_path, monkeypatch):

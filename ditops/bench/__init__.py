@@ -12,6 +12,7 @@ Output: a printed table, and JSON, CSV and PNG files under benchmarks/results/.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import platform
 import sys
@@ -23,6 +24,7 @@ import torch
 
 from .. import __version__, dispatch, explain
 from ..conformance import TOLERANCES
+from ..dispatch.selector import device_refusal
 from ..ops import PUBLIC
 from . import baselines, report, timing
 from .cases import CASES, BenchCase, cpu_case, minimum_bytes
@@ -41,6 +43,43 @@ def select_cases(ops: Optional[Iterable[str]] = None, shapes: Optional[Iterable[
         and (not quick or case.quick)
         and (not shapes or any(text in case.model or text in case.shape for text in shapes))
     ]
+
+
+def candidate_names() -> list:
+    """What ``backends`` may name: auto (the public call), each backend of the registry, the
+    eager and torch.compile baselines, and the peer libraries."""
+    return ["auto", *dispatch.dispatcher().registry.backends, "eager", "torch.compile", *baselines.PEERS]
+
+
+def checked_cases(ops=None, shapes=None, backends=None, quick: bool = False, dtype: torch.dtype = torch.bfloat16) -> list:
+    """The cases a run measures. A filter that selects nothing, or that names no case or
+    candidate, is a ValueError naming it as the command line spells it (``--backends`` for
+    ``backends``): checked before any output, so that such a run prints and writes nothing."""
+    try:
+        cases = select_cases(ops, shapes, quick)
+    except ValueError as error:
+        raise ValueError(f"--ops: {error}") from None
+    unmatched = [text for text in shapes or () if not any(text in case.model or text in case.shape for case in CASES)]
+    if unmatched:
+        models = ", ".join(dict.fromkeys(case.model for case in CASES))
+        raise ValueError(f"--shapes: no case's model or shape contains {', '.join(map(repr, unmatched))}; the models are {models}")
+    known = candidate_names()
+    unknown = [name for name in backends or () if name not in known]
+    if unknown:
+        raise ValueError(f"--backends: got {', '.join(map(repr, unknown))}; wanted some of {', '.join(known)}")
+    device = dispatch.current_device()
+    registry = dispatch.dispatcher().registry
+    for name in backends or ():
+        reason = device_refusal(name, device) if name in registry.backends else None
+        if reason:
+            raise ValueError(f"--backends: {name} can run nothing on {device}: {reason}")
+    if dtype not in TOLERANCES:
+        wanted = ", ".join(str(checked).removeprefix("torch.") for checked in TOLERANCES)
+        raise ValueError(f"--dtype: results are checked with tolerances for {wanted}; got {str(dtype).removeprefix('torch.')}")
+    if not cases:
+        given = [f"--ops {' '.join(ops)}" if ops else "", f"--shapes {' '.join(shapes)}" if shapes else "", "--quick" if quick else ""]
+        raise ValueError(f"no case matches {' '.join(filter(None, given))} together; each of them alone matches cases")
+    return cases
 
 
 def _clone(arguments: dict) -> dict:
@@ -163,14 +202,21 @@ def _driver_version() -> Optional[str]:
 
 
 def prepare_output(folder) -> Path:
-    """Creates ``folder`` if needed and proves it writable, before any time is spent measuring."""
+    """Proves ``folder`` writable before any time is spent measuring, by writing a file there.
+    The folders made for that are removed again: a run that fails leaves none behind (``write``
+    makes them)."""
     folder = Path(folder)
+    made = [path for path in (folder, *folder.parents) if not path.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".ditops-write-test-"):
             pass
     except OSError as error:
         raise ValueError(f"cannot write results to {str(folder)!r}: {error.strerror or error}") from None
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):  # not made (the mkdir failed before it), or filled meanwhile
+                path.rmdir()
     return folder
 
 
@@ -191,13 +237,13 @@ def run(
     write_files: bool = True,
     progress: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
 ) -> tuple:
-    """Runs the benchmark; returns (rows, metadata, paths written). With ``write_files``, the
-    output folder is checked before the run and the files written after it; ``progress``
-    receives one line per case."""
+    """Runs the benchmark; returns (rows, metadata, paths written). The filters (``checked_cases``)
+    and, with ``write_files``, the output folder are checked before the run, and the files
+    written after it; ``progress`` receives one line per case."""
+    cases = checked_cases(ops, shapes, backends, quick, dtype)
     if write_files:
         prepare_output(output)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cases = select_cases(ops, shapes, quick)
     if device == "cpu":
         print("No GPU here: running the reference and the baselines on the CPU at small stand-in shapes.", file=sys.stderr)
         print("These are not GPU numbers; GPU numbers need a GPU.\n", file=sys.stderr)

@@ -99,11 +99,33 @@ def write(rows: list, metadata: dict, directory: Path, stem: str, plots: bool = 
     return paths
 
 
-def plot_file(path: Path) -> list:
+PLOTTED_KEYS = ("op", "model", "shape", "candidate")  # what plot reads of a row besides pct_copy
+
+
+def plot_file(path) -> list:
     """Draws the charts of a saved results file beside it (the GPU machine returns few files,
-    so charts are drawn where the results are committed)."""
-    document = json.loads(Path(path).read_text())
-    return plot(document["rows"], document, Path(path).parent, Path(path).stem)
+    so charts are drawn where the results are committed). A path that holds no results file
+    is a ValueError saying what it holds, checked before anything is drawn."""
+    path = Path(path)
+    wanted = "wanted a results .json file written by ditops bench"
+    if path.is_dir():
+        raise ValueError(f"got {str(path)!r}, a folder; {wanted}")
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"got {str(path)!r}, which does not exist; {wanted}") from None
+    except OSError as error:
+        raise ValueError(f"got {str(path)!r}, which cannot be read ({error.strerror or error}); {wanted}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"got {str(path)!r}, which is not JSON ({error}); {wanted}") from None
+    rows = document.get("rows") if isinstance(document, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"got {str(path)!r}, which has no 'rows' list; {wanted}")
+    for number, row in enumerate(rows):
+        missing = [key for key in PLOTTED_KEYS if key not in row] if isinstance(row, dict) else list(PLOTTED_KEYS)
+        if missing:
+            raise ValueError(f"got {str(path)!r}, whose rows[{number}] lacks {', '.join(missing)}; {wanted}")
+    return plot(rows, document, path.parent, path.stem)
 
 
 def plot(rows: list, metadata: dict, directory: Path, stem: str) -> list:

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, NamedTuple, Optional
 import torch
 
 from . import device as device_module
+from .constraints import DEVICE_CHECKS
 from .features import Features
 from .registry import BUILTIN_REGISTRY, OPS, Implementation, Registry, op_name
 from .signature import PlanTable
@@ -151,6 +152,27 @@ def ordered(op: str, features: Features) -> list:
     if rule is None:
         return implementations
     return [i for i in implementations if i.name == rule.backend] + [i for i in implementations if i.name != rule.backend]
+
+
+def device_refusal(backend: str, device: device_module.DeviceInfo) -> Optional[str]:
+    """Why ``backend`` can run no call on ``device``, in explain's words: its availability
+    check's reason, else what the device constraints (e.g. min_sm) of each of its enabled
+    implementations say; None when one of them may accept a call there."""
+    state = dispatcher()
+    reason = state.registry.backends[backend].refusal(device)
+    if reason:
+        return reason
+    # the device checks read nothing of a call's features but the device
+    features = Features._make((device,) + (None,) * (len(Features._fields) - 1))
+    reasons = []
+    for implementation in (i for implementations in state.implementations.values() for i in implementations):
+        if implementation.name != backend:
+            continue
+        refused = [why for check, wanted in implementation.checks if check in DEVICE_CHECKS and (why := check(wanted, features))]
+        if not refused:
+            return None
+        reasons.append(", and ".join(refused))
+    return "; ".join(dict.fromkeys(reasons)) or "no op has an enabled implementation of it"
 
 
 def signature_key(op: str, scalars: Callable, arguments: tuple, backend: Optional[str]) -> tuple:
