@@ -80,7 +80,7 @@ def test_more_batch_items_than_a_triton_grid_holds_go_to_another_backend():
     """The Triton row kernels put the batch items on their grid's second dimension (at most
     65535 on CUDA): a call with more goes to the next backend that takes it, with the reason."""
     x = torch.randn(65536, 1, 8)
-    with ditops.simulated_device("sm_90"):
+    with described("sm_90"):
         explanation = ditops.explain("norm_scale_shift", x, torch.randn(65536, 8), torch.randn(65536, 8))
         fewer = ditops.explain("norm_scale_shift", x[:65535], torch.randn(65535, 8), torch.randn(65535, 8))
     assert "triton     refused: supports B <= 65535 batch items, got B=65536" in str(explanation)
@@ -382,6 +382,20 @@ def test_every_op_on_simulated_devices(op, arch):
         assert ditops.explain(op, **example_arguments(op, shape, torch.float32)).selected == "reference"
 
 
+def described(arch: str):
+    """The device as dispatch would see the real one (cuda and rocm may serve it): these tests
+    ask what it would choose and run nothing. Simulated by name, calls run here on CPU tensors
+    and the backends that launch through a driver refuse it (tests/test_simulated_devices.py)."""
+    return dispatch.simulated_device(dispatch.parse_arch(arch))
+
+
+@pytest.fixture
+def rocm_6(monkeypatch):
+    """A ROCm release whose hiprtc knows gfx90a and gfx942 (registry.yaml: min_rocm), whatever
+    this machine has (CI: ROCm 5.2, whose hiprtc does not know gfx942)."""
+    monkeypatch.setitem(dispatch.constraints.RELEASES, "rocm", lambda: "6.0")
+
+
 # The example arguments mix bfloat16 modulation with float32 weights: the compiled row kernels
 # (rocm, cuda) take one parameter dtype, so triton serves those rows; rocm takes RoPE on AMD.
 AMD = {"rows": "triton", "heads": "rocm"}
@@ -399,9 +413,9 @@ REGISTRY_PICKS = [
 
 @pytest.mark.parametrize("arch, dtype, expected, reason", REGISTRY_PICKS, ids=lambda value: str(value))
 @pytest.mark.parametrize("op", dispatch.OPS)
-def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason):
+def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason, rocm_6):
     shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
-    with dispatch.simulated_device(arch):
+    with described(arch):
         explanation = ditops.explain(op, **example_arguments(op, shape, dtype))
     if isinstance(expected, dict):
         expected = expected["heads" if op.endswith("_") else "rows"]
@@ -427,7 +441,7 @@ def test_cuda_serves_nvidia_when_triton_is_disabled(op, tmp_path):
     config.write_text("disable: [triton]\n")
     shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
     dispatch.load_config(config)
-    with dispatch.simulated_device("sm_90"):
+    with described("sm_90"):
         uniform = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
         mixed = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16))
     assert uniform.selected == "cuda"
@@ -442,11 +456,11 @@ ROCM_REFUSAL = dispatch.dispatcher().registry.backends["rocm"].refusal(dispatch.
 @pytest.mark.skipif(bool(ROCM_REFUSAL), reason=f"rocm backend unavailable here: {ROCM_REFUSAL}")
 @pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
 @pytest.mark.parametrize("op", dispatch.OPS)
-def test_rocm_serves_cdna_gpus(op, arch):
+def test_rocm_serves_cdna_gpus(op, arch, rocm_6):
     """On gfx90a and gfx942 every op goes to rocm when its parameters share a dtype; rows
     with mixed parameter dtypes and misaligned views go to triton, with rocm's reason."""
     shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
-    with dispatch.simulated_device(arch):
+    with described(arch):
         uniform = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
         mixed = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16))
         arguments = example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32)
@@ -465,7 +479,7 @@ def test_rocm_serves_cdna_gpus(op, arch):
 @pytest.mark.parametrize("op", dispatch.OPS)
 def test_gfx950_goes_to_triton(op):
     shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
-    with dispatch.simulated_device("gfx950"):
+    with described("gfx950"):
         explanation = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
     assert explanation.selected == "triton"
     assert refusals_of(explanation)["rocm"] == "supports AMD gfx90a, gfx942, not gfx950"
@@ -539,7 +553,8 @@ def test_a_user_order_drops_the_measured_preferences_it_replaces(tmp_path):
         assert ditops.explain("residual_norm_scale_shift", **arguments).selected == "triton"
     config.write_text(
         "preferences:\n  residual_norm_scale_shift:\n"
-        "    - {backend: cuda, when: {device_names: [H200]}, measured: 'a test: 1 vs 2 us'}\n")
+        "    - {backend: cuda, when: {device_names: [H200]}, evidence: [{file: results/a_test.json, model: toy,"
+        " shape: B1 S4 D64, dtype: bfloat16, backends: [cuda, triton]}]}\n")
     dispatch.load_config(config)
     with _named("sm_90", "NVIDIA H200"):
         explanation = ditops.explain("residual_norm_scale_shift", **dict(arguments, x=arguments["x"][..., :64].contiguous(),
@@ -549,15 +564,31 @@ def test_a_user_order_drops_the_measured_preferences_it_replaces(tmp_path):
                                                                         shift=arguments["shift"][..., :64].contiguous(),
                                                                         weight=None, bias=None))
     assert explanation.selected == "cuda"
-    assert "measured: a test: 1 vs 2 us" in str(explanation)
+    assert "measured: ditops bench results/a_test.json: toy B1 S4 D64 bfloat16 (cuda vs triton)" in str(explanation)
+
+
+ROW = "file: r/h100.json, model: m, shape: s, dtype: bfloat16"
 
 
 @pytest.mark.parametrize("rule, message", [
-    ("{backend: cuda, when: {device_names: [H200]}}", "exactly the keys backend, when, measured"),
-    ("{backend: nosuch, when: {}, measured: x}", "backend 'nosuch' is not defined"),
-    ("{backend: cuda, when: {device_names: H200}, measured: x}", "constraint device_names"),
-    ("{backend: cuda, when: {min_hidden: 4}, measured: x}", "unknown constraint 'min_hidden'"),
-    ("{backend: cuda, when: {}, measured: '  '}", "measured: is empty"),
+    ("{backend: cuda, when: {device_names: [H200]}}", "exactly the keys backend, when, evidence"),
+    ("{backend: cuda, when: {}, measured: x}", "exactly the keys backend, when, evidence"),
+    (f"{{backend: nosuch, when: {{}}, evidence: [{{{ROW}, backends: [nosuch, triton]}}]}}", "backend 'nosuch' is not defined"),
+    (f"{{backend: cuda, when: {{device_names: H200}}, evidence: [{{{ROW}, backends: [cuda, triton]}}]}}", "constraint device_names"),
+    (f"{{backend: cuda, when: {{min_hidden: 4}}, evidence: [{{{ROW}, backends: [cuda, triton]}}]}}", "unknown constraint 'min_hidden'"),
+    ("{backend: cuda, when: {}, evidence: []}", "evidence: got [], wanted a list of one or more rows"),
+    ("{backend: cuda, when: {}, evidence: [{file: r/h100.json}]}", "evidence[0]: got {'file': 'r/h100.json'}, wanted a mapping with exactly the keys file, model, shape, dtype, backends"),
+    ("{backend: cuda, when: {}, evidence: [{file: ../h100.json, model: m, shape: s, dtype: bfloat16, backends: [cuda, triton]}]}",
+     "evidence[0].file: got '../h100.json', wanted the path of a ditops bench JSON file"),
+    ("{backend: cuda, when: {}, evidence: [{file: r/h100.csv, model: m, shape: s, dtype: bfloat16, backends: [cuda, triton]}]}",
+     "evidence[0].file: got 'r/h100.csv'"),
+    ("{backend: cuda, when: {}, evidence: [{file: r/h100.json, model: 7, shape: s, dtype: bfloat16, backends: [cuda, triton]}]}",
+     "evidence[0].model: got int 7, wanted a string"),
+    ("{backend: cuda, when: {}, evidence: [{file: r/h100.json, model: m, shape: s, dtype: bf16, backends: [cuda, triton]}]}",
+     "evidence[0].dtype: constraint dtypes: 'bf16' is not a torch dtype"),
+    (f"{{backend: cuda, when: {{}}, evidence: [{{{ROW}, backends: [triton, reference]}}]}}",
+     "evidence[0].backends: got ['triton', 'reference'], wanted cuda and at least one other backend"),
+    (f"{{backend: cuda, when: {{}}, evidence: [{{{ROW}, backends: [cuda]}}]}}", "wanted cuda and at least one other backend"),
 ])
 def test_a_bad_preference_is_refused_by_name(tmp_path, rule, message):
     config = tmp_path / "bad.yaml"

@@ -3,6 +3,7 @@ fails naming the file and the field; a file that would hang the process (alias b
 or deeply nested files) is refused at once; a backend module that is not a ditops backend is
 refused by name. CPU only."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -223,3 +224,38 @@ def test_every_call_reports_a_bad_environment_config(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environment)
     lines = result.stdout.splitlines()
     assert len(lines) == 2 and all(str(path) in line and "aliases expand" in line for line in lines), result.stdout + result.stderr
+
+
+# The built-in registry's measured preferences cite rows of committed bench files.
+
+REPOSITORY = registry.BUILTIN_REGISTRY.parents[2]
+
+
+def cited_rows():
+    rules = registry.read_config(registry.BUILTIN_REGISTRY)["preferences"]
+    return [(op, rule["backend"], row) for op, op_rules in rules.items() for rule in op_rules for row in rule["evidence"]]
+
+
+@pytest.mark.skipif(not (REPOSITORY / "benchmarks" / "results").is_dir(), reason="not a source checkout: no committed results")
+@pytest.mark.parametrize("op, backend, row", cited_rows(), ids=lambda value: value if isinstance(value, str) else None)
+def test_every_preference_cites_committed_rows_where_its_backend_is_fastest(op, backend, row):
+    path = REPOSITORY / row["file"]
+    assert path.is_file(), f"{row['file']} is not a committed file"
+    times = {
+        found["candidate"]: found["us"]
+        for found in json.loads(path.read_text())["rows"]
+        if (found["op"], found["model"], found["shape"], found["dtype"]) == (op, row["model"], row["shape"], row["dtype"])
+        and found.get("us")
+    }
+    missing = [name for name in row["backends"] if name not in times]
+    assert not missing, f"{row['file']} times no {', '.join(missing)} on {op} {row['model']} {row['shape']} {row['dtype']}"
+    fastest = min(row["backends"], key=lambda name: times[name])
+    assert fastest == backend, f"{row['file']}: {op} {row['model']} {row['shape']}: {times}"
+
+
+def test_explain_cites_the_preferences_rows():
+    preference = dispatch.dispatcher().registry.preferences["rope_"][0]
+    text = str(preference)
+    assert text.startswith("cuda goes first here, measured: ditops bench benchmarks/results/")
+    for row in preference.evidence:
+        assert f"{row.file}: {row.model} {row.shape} {row.dtype} (cuda vs triton)" in text

@@ -7,6 +7,7 @@ kind of constraint means adding one function here and using its key in the YAML.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from typing import Callable, Optional
 
@@ -139,6 +140,37 @@ def compiled_graph(wanted: bool, f: Features) -> Reason:
         return "leaves a compiled graph to Inductor's fusion of the reference math (measured faster there)"
 
 
+def needs_real_device(wanted: bool, f: Features) -> Reason:
+    """A backend that launches through a GPU driver cannot serve a device simulated for calls
+    that run here: their tensors are in host memory (simulated_device, ditops/dispatch/device.py)."""
+    if wanted and f.device.runs_here:
+        return (f"launches through the GPU driver, and {f.device.arch} is simulated here: the calls run on CPU "
+                "tensors (Triton's interpreter with TRITON_INTERPRET=1, else the reference)")
+
+
+# Releases of the GPU software stacks that backends load at run time, by name: a function
+# returning "major.minor", set by the backend that loads it (ditops/backends/rocm: "rocm").
+# Dispatch cannot import the backends (they import it), so they report here.
+RELEASES: dict = {}
+
+
+def min_rocm(wanted: dict, f: Features) -> Reason:
+    """hiprtc compiles only for the archs its LLVM knows: the oldest ROCm release per arch."""
+    needed = wanted.get(f.device.arch)
+    if needed is None:
+        return None
+    release = RELEASES.get("rocm")
+    if release is None:
+        return f"needs ROCm {needed} or newer for {f.device.arch}; no ROCm runtime is loaded in this process"
+    found = release()
+    if _version_numbers(found) < _version_numbers(needed):
+        return f"needs ROCm {needed} or newer for {f.device.arch} (its hiprtc's LLVM), got ROCm {found}"
+
+
+def _version_numbers(text: str) -> tuple:
+    return tuple(int(part) for part in text.split("."))
+
+
 CHECKS: dict = {
     check.__name__: check
     for check in (
@@ -165,6 +197,8 @@ CHECKS: dict = {
         layouts,
         autograd,
         compiled_graph,
+        needs_real_device,
+        min_rocm,
     )
 }
 
@@ -196,6 +230,14 @@ def _names_from(*names: str) -> Callable:
     return _list_of(lambda item: isinstance(item, str) and item in names)
 
 
+def _is_gfx(name) -> bool:
+    return isinstance(name, str) and name.startswith("gfx") and name[3:].isalnum()
+
+
+def _is_version(text) -> bool:
+    return isinstance(text, str) and re.fullmatch(r"\d+(\.\d+)*", text) is not None
+
+
 def _is_torch_dtype_name(name) -> bool:
     return isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype)
 
@@ -208,8 +250,7 @@ _DTYPES = ("a list of torch dtype names (e.g. [float16, bfloat16])", _list_of(_i
 VALUE_TYPES: dict = {
     "devices": ("a list of device vendors among cuda, rocm, cpu", _names_from("cuda", "rocm", "cpu")),
     "min_sm": ("an integer >= 0 (e.g. 80 for sm_80)", _non_negative),
-    "archs": ("a list of AMD arch names (e.g. [gfx90a, gfx942])",
-              _list_of(lambda item: isinstance(item, str) and item.startswith("gfx") and item[3:].isalnum())),
+    "archs": ("a list of AMD arch names (e.g. [gfx90a, gfx942])", _list_of(_is_gfx)),
     "device_names": ("a list of GPU names or parts of them (e.g. [H100, H200])",
                      _list_of(lambda item: isinstance(item, str) and item.strip() != "")),
     "dtypes": _DTYPES,
@@ -232,6 +273,10 @@ VALUE_TYPES: dict = {
     "layouts": ("a list of RoPE layouts among interleaved, neox", _names_from("interleaved", "neox")),
     "autograd": _BOOLEAN,
     "compiled_graph": _BOOLEAN,
+    "needs_real_device": _BOOLEAN,
+    "min_rocm": ('a mapping of AMD arch names to ROCm releases (e.g. {gfx942: "6.0"})',
+                   lambda value: isinstance(value, dict) and all(_is_gfx(arch) and _is_version(version)
+                                                                 for arch, version in value.items())),
 }
 assert set(VALUE_TYPES) == set(CHECKS), "every check needs its value type"
 

@@ -2,13 +2,18 @@
 
 NVIDIA is recognised from ``torch.version.cuda`` and the compute capability, AMD from
 ``torch.version.hip`` and ``gcnArchName`` (ROCm builds of torch expose AMD GPUs as
-``torch.cuda``). For tests and ``ditops explain --device``, a device can be simulated:
-inside ``simulated_device("sm_90")`` every tensor is seen as living on that GPU.
+``torch.cuda``). A device can be simulated: inside ``simulated_device("sm_90")`` every tensor
+is seen as living on that GPU. Simulated by name, its calls run here on CPU tensors (Triton's
+interpreter with ``TRITON_INTERPRET=1``), so the backends that launch through a GPU driver
+refuse it (registry.yaml: ``needs_real_device``). Simulated with a ``DeviceInfo``
+(``parse_arch``, as ``ditops explain --arch`` does), it describes the real device: dispatch
+chooses as that device would, and nothing may run under it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import threading
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ class DeviceInfo:
     arch: str  # "sm_90", "gfx942" or "cpu"
     name: str = ""
     simulated: bool = False
+    runs_here: bool = False  # simulated for calls that run on this machine's CPU tensors: no GPU behind them
 
     @property
     def sm(self) -> Optional[int]:
@@ -109,10 +115,17 @@ def current_device() -> DeviceInfo:
 
 @contextlib.contextmanager
 def simulated_device(arch: Union[str, DeviceInfo]) -> Iterator[DeviceInfo]:
-    """Dispatch as if every tensor were on ``arch`` (e.g. "sm_90", "gfx942", or a detected
-    DeviceInfo, which keeps its name and is not labelled simulated); for tests and explain."""
+    """Dispatch as if every tensor were on ``arch``. A name ("sm_90", "gfx942") simulates the
+    device for calls that run here on CPU tensors: Triton in its interpreter
+    (``TRITON_INTERPRET=1``) and the reference serve them, never a backend that launches through
+    a GPU driver. A ``DeviceInfo`` is kept as given: ``parse_arch("gfx942")`` describes that GPU
+    for ``explain`` (what it would choose; its calls must not run), a detected one keeps its
+    name and is not labelled simulated."""
+    if not isinstance(arch, DeviceInfo):
+        arch = parse_arch(arch)
+        arch = dataclasses.replace(arch, runs_here=arch.is_gpu)
     previous = _simulation.device
-    _simulation.device = arch if isinstance(arch, DeviceInfo) else parse_arch(arch)
+    _simulation.device = arch
     try:
         yield _simulation.device
     finally:

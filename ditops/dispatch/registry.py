@@ -21,7 +21,9 @@ and implementations, reorder them and disable them:
       residual_norm_scale_shift:
         - backend: cuda            # taken first where it accepts a call that ``when`` matches
           when: {device_names: [H200], min_hidden_size: 4097, max_hidden_size: 5120}
-          measured: "what was timed, where, and the numbers"
+          evidence:                # rows of `ditops bench` JSON files where backend is the fastest of backends
+            - {file: benchmarks/results/NVIDIA-H200_2026-11-26.json, model: Wan2.1-14B 720p,
+               shape: B1 S75600 D5120, dtype: bfloat16, backends: [cuda, triton]}
 
 Implementations not named keep their registry order behind the named ones. ``prefer`` and
 ``ops.<op>`` set an order themselves, so they drop the measured preferences of the ops they
@@ -81,6 +83,8 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _BACKEND_KEYS = ("module", "description", "available", "constraints")
 _TOP_LEVEL_KEYS = ("backends", "ops", "prefer", "disable", "preferences")
+_EVIDENCE_KEYS = ("file", "model", "shape", "dtype", "backends")
+_RESULTS_FILE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*\.json\Z")
 
 
 def op_name(name: str) -> str:
@@ -151,12 +155,37 @@ class Implementation:
         return ", and ".join(reasons) or None
 
 
+class Evidence(NamedTuple):
+    """A row of a ``ditops bench`` results file (its ``rows`` entries are keyed by op, model,
+    shape, dtype and candidate) that times ``backends`` on the preference's op."""
+
+    file: str  # relative to the repository root: benchmarks/results/<GPU>_<date>.json
+    model: str
+    shape: str
+    dtype: str
+    backends: tuple
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.model} {self.shape} {self.dtype} ({' vs '.join(self.backends)})"
+
+
 class Preference(NamedTuple):
-    """A measured exception to an op's order: ``backend`` goes first where ``checks`` pass."""
+    """A measured exception to an op's order: ``backend`` goes first where ``checks`` pass,
+    because it is the fastest of the backends timed in each row of ``evidence``."""
 
     backend: str
     checks: list  # (check, wanted) pairs from constraints.compile_constraints
-    measured: str  # what was timed, where, and the numbers: explain shows it
+    evidence: tuple  # Evidence rows
+
+    @property
+    def cited(self) -> str:
+        return "ditops bench " + "; ".join(str(row) for row in self.evidence)
+
+    # What ditops/ops.py's explain reads until it shows str(rule).
+    measured = cited
+
+    def __str__(self) -> str:
+        return f"{self.backend} goes first here, measured: {self.cited}"
 
 
 class Registry:
@@ -191,7 +220,7 @@ class Registry:
                 self._prefer(op, [name], where, create=False)
         for op, entries in _per_op(document, "ops", where, "a list of backend names or mappings with 'backend'"):
             self._prefer(op, entries, where, create=True)
-        for op, rules in _per_op(document, "preferences", where, "a list of mappings with backend, when, measured"):
+        for op, rules in _per_op(document, "preferences", where, "a list of mappings with backend, when, evidence"):
             self.preferences[op] = [self._preference(rule, where, f"preferences.{op}[{i}]") for i, rule in enumerate(rules)]
         for position, item in enumerate(_field(document, "disable", list, where)):
             self._disable(item, where, f"disable[{position}]")
@@ -213,16 +242,36 @@ class Registry:
         self.disabled.add((op, backend))
 
     def _preference(self, rule, where: str, at: str) -> "Preference":
-        keys = ("backend", "when", "measured")
+        keys = ("backend", "when", "evidence")
         if not isinstance(rule, dict) or set(rule) != set(keys):
             raise ValueError(f"{where}: {at}: got {shown(rule)}, wanted a mapping with exactly the keys {', '.join(keys)}")
         self._known_backend(rule["backend"], where, f"{at}.backend")
         _expect(rule["when"], dict, where, f"{at}.when", "a mapping of constraint names to values")
-        _expect(rule["measured"], str, where, f"{at}.measured", "a string: what was timed, where, and the numbers")
-        if not rule["measured"].strip():
-            raise ValueError(f"{where}: {at}.measured: is empty; say what was timed, where, and the numbers")
         checks = constraint_checks.compile_constraints(rule["when"], f"{where}: {at}.when")
-        return Preference(rule["backend"], checks, rule["measured"].strip())
+        evidence = rule["evidence"]
+        if not isinstance(evidence, list) or not evidence:
+            raise ValueError(f"{where}: {at}.evidence: got {shown(evidence)}, wanted a list of one or more rows of "
+                             f"ditops bench files ({', '.join(_EVIDENCE_KEYS)})")
+        rows = tuple(self._evidence(row, rule["backend"], where, f"{at}.evidence[{i}]") for i, row in enumerate(evidence))
+        return Preference(rule["backend"], checks, rows)
+
+    def _evidence(self, row, backend: str, where: str, at: str) -> Evidence:
+        if not isinstance(row, dict) or set(row) != set(_EVIDENCE_KEYS):
+            raise ValueError(f"{where}: {at}: got {shown(row)}, wanted a mapping with exactly the keys {', '.join(_EVIDENCE_KEYS)}")
+        file = row["file"]
+        if not isinstance(file, str) or not _RESULTS_FILE.match(file) or ".." in file.split("/"):
+            raise ValueError(f"{where}: {at}.file: got {shown(file)}, wanted the path of a ditops bench JSON file "
+                             "relative to the repository root (benchmarks/results/<GPU>_<date>.json)")
+        for key in ("model", "shape"):
+            _expect(row[key], str, where, f"{at}.{key}", "a string: the row's value in the file")
+        constraint_checks.compile_constraints({"dtypes": [row["dtype"]]}, f"{where}: {at}.dtype")
+        backends = row["backends"]
+        _expect(backends, list, where, f"{at}.backends", f"a list of the timed backends, {backend} and at least one other")
+        for position, name in enumerate(backends):
+            self._known_backend(name, where, f"{at}.backends[{position}]")
+        if backend not in backends or len(set(backends)) < 2:
+            raise ValueError(f"{where}: {at}.backends: got {shown(backends)}, wanted {backend} and at least one other backend")
+        return Evidence(file, row["model"], row["shape"], row["dtype"], tuple(backends))
 
     def preference(self, op: str, features: Features) -> Optional["Preference"]:
         """The first measured preference of ``op`` whose conditions the call meets, or None."""

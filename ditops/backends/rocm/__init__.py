@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ...dispatch.constraints import RELEASES
 from ...dispatch.device import DeviceInfo
 from ..compiled import CompiledOps
 from . import hiprtc
@@ -22,6 +23,10 @@ def available(device: DeviceInfo) -> Optional[str]:
     if device.vendor != "rocm":
         return "compiles HIP for AMD GPUs only"
     return hiprtc.load_error()
+
+
+# registry.yaml's min_rocm compares each arch's oldest ROCm release with the one loaded here.
+RELEASES["rocm"] = hiprtc.rocm_release
 
 
 # One function per op, named as the op: what the registry looks up.

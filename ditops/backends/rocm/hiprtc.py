@@ -138,6 +138,19 @@ def version() -> str:
     return f"{major}.{minor}"
 
 
+@functools.lru_cache(maxsize=None)
+def rocm_release() -> str:
+    """The ROCm release ("5.2") of the HIP runtime that hip-python loads, whose hiprtc compiles
+    here: which archs hiprtc knows follows the release, and hiprtcVersion cannot tell releases
+    apart (ROCm 5.2's answers 9.0)."""
+    from hip import hip
+
+    error, number = hip.hipRuntimeGetVersion()  # HIP_VERSION: major * 10**7 + minor * 10**5 + patch
+    if error != hip.hipError_t.hipSuccess:
+        raise CompileError(f"rocm backend: hipRuntimeGetVersion failed: {error.name}")
+    return f"{number // 10**7}.{number // 10**5 % 100}"
+
+
 def compile_instances(instances: Sequence[Instance], arch: str) -> CodeObject:
     """Compiles instances of one source file together for arch ("gfx942")."""
     (source_name,) = {instance.source for instance in instances}
