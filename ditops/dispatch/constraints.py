@@ -203,7 +203,7 @@ CHECKS: dict = {
 }
 
 # The checks that read only the call's device: one that refuses, refuses every call there.
-DEVICE_CHECKS = frozenset((devices, min_sm, archs, device_names))
+DEVICE_CHECKS = frozenset((devices, min_sm, archs, device_names, needs_real_device, min_rocm))
 
 # What each constraint's YAML value must be: (what a message says is wanted, the test).
 # Checked when a config loads, so that a typo fails there, naming the file and the field,
