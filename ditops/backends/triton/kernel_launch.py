@@ -40,6 +40,16 @@ _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 _LEAD = 9  # the C launcher's arguments before the kernel's: grid (3), stream, function, metadata, 3 launch hooks
 
 
+def bound_launch_refusal() -> Optional[str]:
+    """Why ``bind`` makes no launchers in this process (each launch then goes through
+    Triton's own ``kernel[grid]``), or None."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1"
+    if torch.version.hip is not None:
+        return "ROCm torch: Triton's AMD backend specializes on buffer sizes"
+    return None
+
+
 def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Callable[[tuple, tuple], None]]:
     """A launcher for every call whose tensors have this call's shapes, strides, dtypes,
     device and 16-byte alignment class: Triton's compiled kernel is specialized on exactly
@@ -58,7 +68,7 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
     ``kernel[grid]`` does after its per-call argument specialization, cache key and binding,
     which cost more than the launch itself (tens of microseconds per call).
     """
-    if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:
+    if bound_launch_refusal() is not None:
         return None
     from triton import knobs
 
