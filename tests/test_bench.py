@@ -9,6 +9,7 @@ so the shape strings and byte counts of the real cases are checked without alloc
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import re
@@ -24,7 +25,8 @@ import ditops
 import ditops.backends.reference as reference
 import ditops.bench as bench
 from ditops.bench import baselines, report, timing
-from ditops.bench.cases import CASES, _distinct_bytes, _heads, _rows, cpu_case, minimum_bytes
+from ditops import opspec
+from ditops.bench.cases import CASES, _distinct_bytes, cpu_case, minimum_bytes
 from ditops.conformance import TOLERANCES
 from ditops.dispatch import OPS, load_config, simulated_device
 
@@ -574,16 +576,16 @@ def test_eager_matches_reference(op):
 
 
 LAYOUTS = {
-    "norm_scale_shift": _rows("norm_scale_shift", 2, 16, 64, modulation_dtype=F32, per_batch_3d=True),
-    "residual_norm_scale_shift": _rows("residual_norm_scale_shift", 2, 16, 64, modulation_dtype=F32, per_batch_3d=True, affine=True),
-    "add_gate_norm": _rows("add_gate_norm", 2, 16, 64, norm="rms", affine=True, modulation_dtype=F32),
-    "add_gate_norm_scale": _rows("add_gate_norm_scale", 2, 16, 64, norm="rms", affine=True, modulation_dtype=F32),
-    "qk_norm_rope_": _heads("qk_norm_rope_", 16, 4, 2, 32, interleaved=False, positions=True, batch=2),
-    "rope_": _heads("rope_", 32, 4, 2, 32, interleaved=False, positions=True),
+    "norm_scale_shift": opspec._rows(2, 16, 64, modulation_dtype=F32, per_batch_3d=True),
+    "residual_norm_scale_shift": opspec._rows(2, 16, 64, modulation_dtype=F32, per_batch_3d=True, affine=True),
+    "add_gate_norm": opspec._rows(2, 16, 64, norm="rms", affine=True, modulation_dtype=F32),
+    "add_gate_norm_scale": opspec._rows(2, 16, 64, norm="rms", affine=True, modulation_dtype=F32),
+    "qk_norm_rope_": dataclasses.replace(opspec._heads(16, 4, 2, 32, interleaved=False, positions=True), leading=(2, 16)),
+    "rope_": opspec._heads(32, 4, 2, 32, interleaved=False, positions=True),
 }
 
 
 @pytest.mark.parametrize("op", LAYOUTS)
 def test_eager_matches_reference_in_the_real_layouts(op):
     """The layouts the CPU stand-ins leave out: float32 [B, 1, D] modulation, positions, NeoX, GQA, [B, S, H, Dh]."""
-    _eager_matches_reference(op, LAYOUTS[op]("cpu", F32, generator(2)))
+    _eager_matches_reference(op, opspec.SPECS[op].build(LAYOUTS[op], F32, "cpu", generator(2)))

@@ -14,6 +14,7 @@ import torch
 import ditops
 from ditops import dispatch, ops
 from ditops.dispatch import simulated_device
+from ditops.dispatch.contract import Kernel
 from ditops.examples import example_arguments
 from ditops.ops import OPS
 
@@ -33,7 +34,7 @@ def counted_checks(monkeypatch):
         counts.append(1)
         return original(*arguments, **keywords)
 
-    monkeypatch.setitem(OPS, "norm_scale_shift", ops.Op(op.name, counting, op.outputs, op.schema, op.check_values))
+    monkeypatch.setattr(op, "check", counting)
     return counts
 
 
@@ -118,41 +119,13 @@ def test_the_python_guard_agrees_with_tensor_guards(variant):
     assert dispatch.signature._python_guard(tensors)(*changed) == verdict == (variant == "same")
 
 
-@pytest.mark.skipif(dispatch.signature._find_in_c is None, reason="the C plan lookup (cached_call.c) was not built")
-def test_the_c_cached_call_agrees_with_its_python_twin():
-    """Plans for an aligned call, a call 4 bytes off and one without a weight; probes that hit
-    each, miss by alignment class, shape, dtype or key, and one more plan under a key."""
-    base = torch.randn(2 * 5 * 64 + 8)
-
-    def call(offset=0, weight=True, dtype=torch.float32, tokens=5):
-        x = base[offset:offset + 2 * tokens * 64].view(2, tokens, 64).to(dtype)
-        return (x, torch.randn(2, 64), torch.randn(2, 64), torch.randn(64) if weight else None, None, "layer", 1e-6)
-
-    table = dispatch.signature.PlanTable()
-    for name, arguments in (("aligned", call()), ("off 4", call(offset=1)), ("no weight", call(weight=False))):
-        table.add(("key", arguments[3] is None), arguments, name)
-    probes = [(False, call()), (False, call(offset=1)), (False, call(offset=5)), (False, call(offset=2)),
-              (True, call(weight=False)), (True, call(weight=False, offset=1)), (False, call(tokens=4)),
-              (False, call(dtype=torch.float64)), (False, call(weight=False))]
-    answers = []
-    for no_weight, arguments in probes:
-        key = ("key", no_weight)
-        found = dispatch.signature._find_in_c(table._by_key, key, arguments)
-        assert found == table.find_in_python(key, arguments)
-        answers.append(found[0] if found else None)
-    assert answers == ["aligned", "off 4", "off 4", None, "no weight", None, None, None, None]
-    assert dispatch.signature._find_in_c(table._by_key, ("other",), call()) is None
-    with pytest.raises(TypeError):
-        dispatch.signature._find_in_c(table._by_key, ("unhashable", []), call())
-
-
-@pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
-def test_a_cached_call_runs_in_c_and_an_override_in_python(monkeypatch):
-    """Op.run (Python) builds the plan; later calls with no override run in C with the same
-    result; backend= and use_backend send the call back to Op.run, which obeys them."""
+def test_a_cached_call_reuses_its_plan_and_an_override_builds_its_own(monkeypatch):
+    """The first call builds the plan; a later call with the same signature finds it and gives
+    the same result; backend= and use_backend build their own plans, which obey them; the
+    per-call aliasing checks still run on a call whose plan exists."""
     runs = []
-    original = ops.Op.run
-    monkeypatch.setattr(ops.Op, "run", lambda self, arguments, backend: runs.append(backend) or original(self, arguments, backend))
+    original = ops.Op._build_plan
+    monkeypatch.setattr(ops.Op, "_build_plan", lambda self, arguments, backend: runs.append(backend) or original(self, arguments, backend))
     arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
     first = ditops.norm_scale_shift(**arguments)
     second = ditops.norm_scale_shift(**dict(arguments, x=arguments["x"].clone()))
@@ -161,122 +134,19 @@ def test_a_cached_call_runs_in_c_and_an_override_in_python(monkeypatch):
     ditops.norm_scale_shift(**arguments, backend="reference")
     with ditops.use_backend("reference"):
         ditops.norm_scale_shift(**arguments)
-    assert runs == [None, "reference", None]
+    assert runs == [None, "reference"]
     q_and_k = example_arguments("rope_", (6, 2, 32), torch.float32)
     q_and_k["k"] = torch.randn_like(q_and_k["q"])
     ditops.rope_(**q_and_k)
     calls = len(runs)
     base = torch.randn(7 * 64)  # q and k overlapping by 5 of their 6 tokens: the same signature as above
-    with pytest.raises(ValueError, match="shares memory"):  # the per-call checks run in C's path too
+    with pytest.raises(ValueError, match="shares memory"):  # the per-call checks run on a planned call
         ditops.rope_(**dict(q_and_k, q=base[:384].view(6, 2, 32), k=base[64:].view(6, 2, 32)))
     cache = q_and_k["cos_sin_cache"]
     within_q = torch.randn(cache.numel() + 384)  # a cache that overlaps q's last 64 values
     with pytest.raises(ValueError, match="cos_sin_cache shares memory with q"):
         ditops.rope_(**dict(q_and_k, q=within_q[:384].view(6, 2, 32), cos_sin_cache=within_q[320:320 + cache.numel()].view(cache.shape)))
     assert len(runs) == calls
-
-
-@pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
-def test_calls_that_alternate_signatures_each_find_their_plan_in_c(monkeypatch):
-    """cached_call.c tries an op's last few signatures (PlanTable.last) before building the
-    call's key: calls that alternate two shapes, two eps values or grad modes each find their
-    own plan there, none goes back to Op.run, and each gets its own plan's result."""
-    base = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
-    calls = [base, example_arguments("norm_scale_shift", (2, 6, 64), torch.float32), dict(base, eps=1e-2)]
-    expected = [ditops.norm_scale_shift(**arguments, backend="reference") for arguments in calls]
-    for arguments in calls:  # builds the plans
-        ditops.norm_scale_shift(**arguments)
-    with torch.no_grad():
-        ditops.norm_scale_shift(**base)
-    runs = []
-    original = ops.Op.run
-    monkeypatch.setattr(ops.Op, "run", lambda self, arguments, backend: runs.append(backend) or original(self, arguments, backend))
-    for _ in range(2):
-        for arguments, want in zip(calls + calls[::-1], expected + expected[::-1]):
-            torch.testing.assert_close(ditops.norm_scale_shift(**arguments), want)
-            with torch.no_grad():
-                torch.testing.assert_close(ditops.norm_scale_shift(**base), expected[0])
-    assert runs == []
-    assert len(_plans().last["norm_scale_shift"]) <= 4  # a few signatures are remembered, not every one
-
-
-@pytest.fixture
-def c_path_on_device():
-    """configure(current device index): the C path configured as if that device were current,
-    its streams ("stream", index); restored after."""
-    from ditops.dispatch import device as device_module
-
-    def configure(current_device, current_stream):
-        ops.configure_cached_call(vars(dispatch.selector), device_module._simulation, torch.is_grad_enabled,
-                                  current_device, current_stream, ops._empty_like, ops._contiguous)
-
-    yield lambda index: configure(lambda: index, lambda index: ("stream", index))
-    configure(ops._current_device, getattr(torch._C, "_cuda_getCurrentRawStream", None))
-
-
-@pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
-@pytest.mark.parametrize("hook, current, devices", [(None, 0, 2), ("set", 0, 2), (None, 1, 2), (None, 1, 1)],
-                         ids=["direct", "hook set", "another device current", "one visible device"])
-def test_the_c_path_issues_a_bound_launch_from_its_template(c_path_on_device, hook, current, devices):
-    """A plan's bound Triton launch as data (kernel_launch.bind's ``direct``) is issued by
-    cached_call.c: the template with the current stream and this call's data pointers at
-    their places. With a launch hook set, or another device current, it calls the plan's
-    Python launcher instead, which handles both; where the plan's device is the only one
-    visible it is current, and C does not ask."""
-    c_path_on_device(current)
-    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
-    expected = ditops.norm_scale_shift(**arguments)  # builds the plan
-    launched = []
-    knobs = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print] if hook else []),
-                                  launch_exit_hook=None)
-    template = ("grid x", "grid y", "grid z", None, "function", "metadata", None, None, None, None, 7, None)
-    output_index = len(dispatch.signature.data_pointers(ops.ordered_arguments("norm_scale_shift", **arguments)[0]))
-    by_key = _plans()._by_key
-    (key,) = by_key
-    by_key[key] = tuple(entry[:5] + (entry[5]._replace(direct=(lambda *call: launched.append(call), 0, template,
-                                                                        ((9, 0), (11, output_index)), knobs,
-                                                                        devices > 1)),)
-                        for entry in by_key[key])
-    x = arguments["x"].clone()
-    y = ditops.norm_scale_shift(**dict(arguments, x=x))
-    if hook or (current != 0 and devices > 1):
-        assert launched == []
-        torch.testing.assert_close(y, expected, rtol=0, atol=0)
-    else:  # pointers: the tensor arguments' (x first), then the output's
-        assert launched == [("grid x", "grid y", "grid z", ("stream", 0), "function", "metadata", None, None, None,
-                             x.data_ptr(), 7, y.data_ptr())]
-
-
-@pytest.mark.skipif(dispatch.signature.cached_call is None, reason="the C cached call (cached_call.c) was not built")
-@pytest.mark.parametrize("layout", ["separate", "qkv heads"])
-def test_a_cached_call_checks_aliasing_and_allocates_outputs_in_c(monkeypatch, layout):
-    """A planned call in C: an in-place op whose q, k and reads share no memory passes the
-    aliasing check on the plan's spans (InPlaceAliasing.spans) without the Python check, q and
-    k as head blocks of one fused buffer included; a functional op's outputs (ops._LikeX) are
-    allocated there. Where they may share memory the Python check decides (it raises in the
-    test above)."""
-    def q_and_k():
-        if layout == "separate":
-            return torch.randn(6, 2, 32), torch.randn(6, 2, 32)
-        qkv = torch.randn(6, 3, 2, 32)
-        return qkv[:, 0], qkv[:, 1]
-
-    rope = example_arguments("rope_", (6, 2, 32), torch.float32)
-    norm = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32)
-    q, k = q_and_k()
-    ditops.rope_(**dict(rope, q=q, k=k))  # builds the plans (Python)
-    ditops.norm_scale_shift(**norm)
-    q, k = q_and_k()
-    expected_q, expected_k = q.clone(), k.clone()
-    ditops.rope_(**dict(rope, q=expected_q, k=expected_k), backend="reference")
-    expected_y = ditops.norm_scale_shift(**norm, backend="reference")
-    checks = []
-    monkeypatch.setattr(ops.validation.InPlaceAliasing, "check", lambda self, pointers: checks.append(pointers))
-    monkeypatch.setattr(ops._LikeX, "__call__", lambda self, *arguments: pytest.fail("outputs allocated in Python"))
-    ditops.rope_(**dict(rope, q=q, k=k))
-    y = ditops.norm_scale_shift(**dict(norm, x=norm["x"].clone()))
-    assert checks == []
-    torch.testing.assert_close((q, k, y), (expected_q, expected_k, expected_y), rtol=0, atol=0)
 
 
 def test_a_changed_override_builds_a_new_plan_and_is_obeyed(counted_checks, monkeypatch):
@@ -486,22 +356,19 @@ def test_a_plan_launches_on_the_tensors_device_whatever_device_is_current(monkey
         yield
         events.append(("exit", index))
 
-    def function(*values):
+    def run(*values):
         events.append(("launch", values))
 
-    if bound:
-        def bind(values, device_index):
-            def launcher(values, pointers):
-                events.append(("launch", values, device_index))
+    def bind(values, device_index):
+        def launcher(values, pointers):
+            events.append(("launch", values, device_index))
 
-            launcher.direct = ("a bound launch as data",)
-            return launcher
+        return launcher
 
-        function.bind = bind
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(ops, "_current_device", lambda: current[0])
-    launch, direct = ops._launcher(types.SimpleNamespace(function=function), ("x",), 1)
-    assert direct == (("a bound launch as data",) if bound else None)  # what the C path issues itself
+    kernel = Kernel(run, bind if bound else None)
+    launch = ops._launcher(types.SimpleNamespace(kernel=kernel), ("x",), 1)
 
     launch(("x",), ())
     assert [event[0] for event in events] == ["enter", "launch", "exit"] and events[0] == ("enter", 1)

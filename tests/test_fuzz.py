@@ -31,6 +31,7 @@ import ditops
 from ditops import conformance
 from ditops.dispatch import simulated_device
 from ditops.ops import PUBLIC
+from ditops.opspec import SPECS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -215,7 +216,7 @@ def run_fuzz_case(seed: int, index: int, backend) -> tuple:
     if INTERPRETED and dtype == torch.bfloat16 and op in STORED_INTERMEDIATE:
         return "skip", "interpreter rounding"
     expected = conformance.oracle(op, arguments, dtype)
-    names = conformance.OUTPUT_NAMES[op]
+    names = SPECS[op].result_names
     factor = conditioning(op, arguments, expected)
     for call in ("first call",) if backend is not None else ("first call", "cached call"):
         if call == "cached call":

@@ -5,6 +5,9 @@ the AMDGPU machine and that arch, one wave64 kernel per instance, none using scr
 
 CI installs Debian's ROCm 5.2 and clang-19 and sets DITOPS_REQUIRE_ROCM_TOOLS=1: there a
 missing tool fails these tests; elsewhere it skips them with the reason.
+
+Compiling every instance takes minutes on a CPU: it runs under ``-m exhaustive``; the default
+run compiles one instance for gfx90a.
 """
 
 import functools
@@ -46,17 +49,28 @@ def check_code_object(code: bytes, arch: str, kernel_names, count: int) -> None:
     assert code.count(b"\xbb.private_segment_fixed_size\x00") == count, "a kernel uses scratch memory"
 
 
-@functools.lru_cache(maxsize=None)
-def gfx90a_code_object(source: str):
+def hiprtc_module():
     try:
         from ditops.backends.rocm import hiprtc
 
         hiprtc.version()
     except (ImportError, OSError, RuntimeError) as error:
         unavailable(f"hiprtc through hip-python: {error}")
-    return hiprtc.compile_instances(INSTANCES[source], "gfx90a")
+    return hiprtc
 
 
+@functools.lru_cache(maxsize=None)
+def gfx90a_code_object(source: str):
+    return hiprtc_module().compile_instances(INSTANCES[source], "gfx90a")
+
+
+def test_hiprtc_compiles_an_instance_for_gfx90a():
+    """The default run's smoke compile: one instance of the rotary kernel (the quickest source)."""
+    compiled = hiprtc_module().compile_instances(INSTANCES["rotary.cu"][:1], "gfx90a")
+    check_code_object(compiled.code, "gfx90a", compiled.lowered_names.values(), 1)
+
+
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("source", sorted(INSTANCES))
 def test_hiprtc_compiles_every_instance_for_gfx90a(source):
     compiled = gfx90a_code_object(source)
@@ -80,6 +94,7 @@ def gfx942_bitcode(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("source", sorted(INSTANCES))
 def test_clang_compiles_every_instance_for_gfx942(source, gfx942_bitcode, tmp_path):
     # Taking each instance's address in host code makes clang emit it for the device.

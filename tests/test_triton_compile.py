@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of every Triton kernel specialization the registry can select,
 for NVIDIA (sm_80, sm_90) and AMD (gfx90a, gfx942, gfx950), with no GPU: real machine code
-(cubin / hsaco) must come out.
+(cubin / hsaco) must come out. That takes minutes per arch on a CPU: it runs under
+``-m exhaustive``; the default run compiles one specialization of each kernel for sm_90.
 
 The specializations are found by running the backend's launch code on every conformance
 case and dtype, on a simulated device of each vendor, with the kernels replaced by a
@@ -157,13 +158,13 @@ def test_every_kernel_and_option_is_exercised():
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
-@pytest.mark.parametrize("target_name", TARGETS)
-def test_ahead_of_time_compile(target_name):
-    """Compiled in a fresh process: this test session runs Triton's interpreter (conftest.py),
-    whose kernels cannot be compiled, and Triton chooses between the two when a kernel is defined."""
-    target, vendor, binary = TARGETS[target_name]
+def _compile_ahead_of_time(target_name: str, found) -> None:
+    """Compiles specializations for a target in a fresh process: this test session runs
+    Triton's interpreter (conftest.py), whose kernels cannot be compiled, and Triton chooses
+    between the two when a kernel is defined."""
+    target, _, binary = TARGETS[target_name]
     work = [dict(kernel=kernel, signature=dict(signature), constants=dict(constants), num_warps=num_warps)
-            for kernel, signature, constants, num_warps in specializations(vendor)]
+            for kernel, signature, constants, num_warps in found]
     result = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("triton_aot.py")), target.backend, str(target.arch), str(target.warp_size), binary],
         input=json.dumps(work), capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
@@ -171,6 +172,22 @@ def test_ahead_of_time_compile(target_name):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     compiled = [line for line in result.stdout.splitlines() if line.startswith("compiled ")]
     assert len(compiled) == len(work)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("target_name", TARGETS)
+def test_ahead_of_time_compile(target_name):
+    _compile_ahead_of_time(target_name, specializations(TARGETS[target_name][1]))
+
+
+def test_each_kernel_compiles_ahead_of_time():
+    """The default run's smoke compile: one specialization of each kernel for sm_90, so that a
+    Triton that cannot compile one of them fails here too."""
+    first = {}
+    for specialization in specializations("cuda"):
+        first.setdefault(specialization[0], specialization)
+    assert set(first) == set(KERNELS)
+    _compile_ahead_of_time("sm_90", first.values())
 
 
 def test_float64_eps_is_computed_in_float32():

@@ -23,7 +23,7 @@ import yaml
 
 from .. import kernel_cache
 from ..dispatch.signature import pointer_index
-from .contract import Kernel
+from ..dispatch.contract import Kernel
 from .views import modulation, rows_of, tokens_of
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc"
@@ -248,7 +248,7 @@ class CompiledOps:
     """The ops of docs/ops.md as launches of the csrc kernels. ``<op>_launch`` takes the backend
     calling convention (the op's arguments, then the outputs to write) and returns the
     ``CompiledLaunch`` (None for an empty input); ``kernel(launch_of)`` makes the op's
-    ``Kernel`` (backends/contract.py): run, and bind for ditops/ops.py's launch plans."""
+    ``Kernel`` (dispatch/contract.py): run, and bind for ditops/ops.py's launch plans."""
 
     def __init__(self, launcher: Launcher, binder: Binder):
         self.launch, self.bind = launcher, binder

@@ -1,24 +1,19 @@
-"""The benchmark cases: each op at the real shapes of docs/ops.md, plus a small latency case.
-
-Inputs are laid out as the models pass them (built by ditops/examples.py, the one argument
-builder): modulation as [B, D] or [B, 1, D] views of [B, 6, D] tensors (float32 in Wan, the
-activations' dtype elsewhere), per-token cos/sin caches for multi-axis RoPE, int64 positions
-for the LLM-style RoPE rows.
-``minimum_bytes`` counts the fewest bytes an op must move: each distinct input element
-read once, each output written once.
+"""The benchmark cases: each op spec's ``bench`` inputs (ditops/opspec.py: the real shapes
+of docs/ops.md, laid out as the models pass them, plus a small latency case), and the CPU run's
+stand-ins. ``minimum_bytes`` counts the fewest bytes an op must move: each distinct input
+element read once, each output written once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from ..examples import HeadSpec, RowSpec, build
-
-TEXT_TOKENS = 512  # text tokens beside 4096 image tokens at 1024px (FLUX, FLUX.2, Qwen-Image, Z-Image)
-
+from ..inputs import HeadSpec
+from ..opspec import SPECS, BenchShape
 
 @dataclass(frozen=True)
 class BenchCase:
@@ -29,111 +24,31 @@ class BenchCase:
     quick: bool = False  # part of `ditops bench --quick`
 
 
-def _rows(op, batch, tokens, hidden, *, modulation_dtype=None, norm="layer", affine=False, per_batch_3d=False):
-    """A norm-op case builder; ``per_batch_3d`` gives [B, 1, D] modulation views (Wan) instead of [B, D]."""
-    form = "batch3_view" if per_batch_3d else "batch_view"
-    spec = RowSpec(
-        batch, tokens, hidden, form, form, form, norm=norm, param_dtype=modulation_dtype, affine=affine, index="halves", select_form="batch_view"
-    )
-    return lambda device, dtype, generator: build(op, spec, dtype, device, generator)
+def case(op: str, shape: BenchShape) -> BenchCase:
+    """One of an op spec's benchmark inputs as a case."""
+    spec = SPECS[op]
+    return BenchCase(op, shape.model, shape.shape,
+                     lambda device, dtype, generator: spec.build(shape.inputs, dtype, device, generator), shape.quick)
 
 
-def _heads(op, tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=False, batch=None):
-    """A RoPE-op case builder: q/k [T, H, Dh] (or [B, S, H, Dh] with ``batch``); a per-token
-    float32 cache and no positions (multi-axis RoPE), or int64 positions into the cache; the
-    q/k norm weights in the activations' dtype, as the models hold them."""
-    leading = (batch, tokens) if batch else (tokens,)
-    spec = HeadSpec(
-        leading, q_heads, k_heads, head_size, interleaved=interleaved, positions=torch.int64 if positions else None, weight_dtypes=(None, None)
-    )
-    return lambda device, dtype, generator: build(op, spec, dtype, device, generator)
+CASES = [case(op, shape) for op, spec in SPECS.items() for shape in spec.bench]
 
-
-def _norm_cases(op: str) -> list:
-    wan = dict(modulation_dtype=torch.float32, per_batch_3d=True)
-    cases = [
-        BenchCase(op, "Wan2.1-1.3B 480p", "B1 S32760 D1536", _rows(op, 1, 32760, 1536, **wan), quick=True),
-        BenchCase(op, "Wan2.1-14B 720p", "B1 S75600 D5120", _rows(op, 1, 75600, 5120, **wan)),
-        BenchCase(op, "HunyuanVideo 720p", "B1 S118800 D3072", _rows(op, 1, 118800, 3072)),
-        BenchCase(op, "Qwen-Image 1024px", "B1 S4096 D3072", _rows(op, 1, 4096, 3072, affine=True)),
-    ]
-    if op == "norm_scale_shift":
-        cases += [
-            BenchCase(op, "FLUX.2-dev 1024px", f"B1 S{4096 + TEXT_TOKENS} D6144", _rows(op, 1, 4096 + TEXT_TOKENS, 6144)),
-            BenchCase(op, "Z-Image-Turbo (RMS)", f"B1 S{4096 + TEXT_TOKENS} D3840", _rows(op, 1, 4096 + TEXT_TOKENS, 3840, norm="rms", affine=True)),
-        ]
-    return cases + [BenchCase(op, "latency", "B1 S128 D3072", _rows(op, 1, 128, 3072), quick=True)]
-
-
-def _select_cases(op: str) -> list:
-    return [
-        BenchCase(op, "Qwen-Image-Edit 1024px", "B1 S8192 D3072", _rows(op, 1, 8192, 3072, affine=True), quick=True),
-        BenchCase(op, "latency", "B1 S128 D3072", _rows(op, 1, 128, 3072)),
-    ]
-
-
-def _gate_norm_cases(op: str) -> list:
-    tokens = 4096 + TEXT_TOKENS
-    z_image = _rows(op, 1, tokens, 3840, norm="rms", affine=True, modulation_dtype=torch.float32)
-    return [
-        BenchCase(op, "Z-Image-Turbo 1024px", f"B1 S{tokens} D3840", z_image, quick=True),
-        BenchCase(op, "latency", "B1 S128 D3072", _rows(op, 1, 128, 3072, norm="rms", affine=True)),
-    ]
-
-
-def _qk_norm_rope_cases() -> list:
-    op = "qk_norm_rope_"
-    joint = 4096 + TEXT_TOKENS
-    return [
-        BenchCase(op, "FLUX.1-dev 1024px", f"T{joint} H24 Dh128", _heads(op, joint, 24, 24, 128), quick=True),
-        BenchCase(op, "HunyuanVideo 720p", "T118800 H24 Dh128", _heads(op, 118800, 24, 24, 128)),
-        BenchCase(op, "FLUX.2-dev 1024px", f"T{joint} H48 Dh128", _heads(op, joint, 48, 48, 128)),
-        BenchCase(op, "Qwen-Image-Edit 1024px", f"T{8192 + TEXT_TOKENS} H24 Dh128", _heads(op, 8192 + TEXT_TOKENS, 24, 24, 128)),
-        BenchCase(op, "Z-Image-Turbo 1024px", f"T{joint} H30 Dh128", _heads(op, joint, 30, 30, 128)),
-        BenchCase(op, "latency", "T128 H24 Dh128", _heads(op, 128, 24, 24, 128), quick=True),
-    ]
-
-
-def _rope_cases() -> list:
-    op = "rope_"
-    llm = 16384
-    return [
-        BenchCase(op, "Wan2.1-1.3B 480p", "T32760 H12 Dh128", _heads(op, 32760, 12, 12, 128), quick=True),
-        BenchCase(op, "Wan2.1-14B 720p", "T75600 H40 Dh128", _heads(op, 75600, 40, 40, 128)),
-        BenchCase(op, "LLM GQA NeoX", f"T{llm} Hq32 Hk8 Dh128 neox", _heads(op, llm, 32, 8, 128, interleaved=False, positions=True)),
-        BenchCase(op, "LLM GQA interleaved", f"T{llm} Hq32 Hk8 Dh128", _heads(op, llm, 32, 8, 128, positions=True)),
-        BenchCase(op, "LLM Dh80 NeoX", f"T{llm} H16 Dh80 neox", _heads(op, llm, 16, 16, 80, interleaved=False, positions=True)),
-        BenchCase(op, "LLM GQA Dh96 NeoX", f"T{llm} Hq16 Hk2 Dh96 neox", _heads(op, llm, 16, 2, 96, interleaved=False, positions=True)),
-        BenchCase(op, "latency", "T128 H24 Dh128", _heads(op, 128, 24, 24, 128), quick=True),
-    ]
-
-
-CASES = [
-    *_norm_cases("norm_scale_shift"),
-    *_norm_cases("residual_norm_scale_shift"),
-    *_select_cases("norm_scale_shift_select"),
-    *_select_cases("residual_norm_scale_shift_select"),
-    *_gate_norm_cases("add_gate_norm"),
-    *_gate_norm_cases("add_gate_norm_scale"),
-    *_qk_norm_rope_cases(),
-    *_rope_cases(),
-]
-
-CPU_SHAPES = {"norm": (1, 256, 512), "heads": (256, 4, 64)}  # the CPU run's stand-in shape per op family
+CPU_ROWS = dict(batch=1, tokens=256, hidden=512)  # the CPU run's stand-in shapes
+CPU_HEADS = dict(leading=(256,), q_heads=4, k_heads=4, head_size=64, positions=None)
 
 
 def cpu_case(case: BenchCase) -> BenchCase:
-    """The same op and layout at a shape a CPU runs in milliseconds."""
-    op = case.op
-    if op in ("qk_norm_rope_", "rope_"):
-        tokens, heads, head_size = CPU_SHAPES["heads"]
-        neox = " neox" if " neox" in case.shape else ""
-        build = _heads(op, tokens, heads, heads, head_size, interleaved=not neox)
-        return BenchCase(op, case.model + " (CPU stand-in)", f"T{tokens} H{heads} Dh{head_size}{neox}", build, case.quick)
-    batch, tokens, hidden = CPU_SHAPES["norm"]
-    norm = "rms" if "RMS" in case.model or op.startswith("add_gate") else "layer"
-    build = _rows(op, batch, tokens, hidden, norm=norm, affine=True)
-    return BenchCase(op, case.model + " (CPU stand-in)", f"B{batch} S{tokens} D{hidden}", build, case.quick)
+    """The same op, layout and norm at a shape a CPU runs in milliseconds."""
+    spec = SPECS[case.op]
+    shape = next(shape for shape in spec.bench if (shape.model, shape.shape) == (case.model, case.shape))
+    if isinstance(shape.inputs, HeadSpec):
+        inputs = dataclasses.replace(shape.inputs, **CPU_HEADS)
+        text = f"T{inputs.leading[0]} H{inputs.q_heads} Dh{inputs.head_size}" + ("" if inputs.interleaved else " neox")
+    else:
+        inputs = dataclasses.replace(shape.inputs, affine=True, **CPU_ROWS)
+        text = f"B{inputs.batch} S{inputs.tokens} D{inputs.hidden}"
+    return BenchCase(case.op, case.model + " (CPU stand-in)", text,
+                     lambda device, dtype, generator: spec.build(inputs, dtype, device, generator), case.quick)
 
 
 def _distinct_bytes(t: Optional[torch.Tensor]) -> int:
@@ -151,7 +66,7 @@ def minimum_bytes(op: str, arguments: dict) -> int:
     """The fewest bytes ``op`` must move: each distinct input element read once, each output
     written once. The RoPE ops read and write q and k, and read one cache row per distinct
     position (one per token when positions is None)."""
-    if op in ("qk_norm_rope_", "rope_"):
+    if SPECS[op].inputs is HeadSpec:
         q, k, cache, positions = arguments["q"], arguments.get("k"), arguments["cos_sin_cache"], arguments.get("positions")
         tokens = q.shape[:-2].numel()
         rows = tokens if positions is None else min(positions.numel(), cache.shape[0])
@@ -161,13 +76,5 @@ def minimum_bytes(op: str, arguments: dict) -> int:
         return total + sum(_distinct_bytes(w) for w in weights)
     tensors = {id(value): value for value in arguments.values() if isinstance(value, torch.Tensor)}  # one tensor passed twice
     inputs = sum(_distinct_bytes(value) for value in tensors.values())  # (weight2 = weight) is read once
-    x = arguments["x"]
-    outputs = {
-        "norm_scale_shift": 1,
-        "residual_norm_scale_shift": 2,
-        "norm_scale_shift_select": 2,
-        "residual_norm_scale_shift_select": 3,
-        "add_gate_norm": 1,
-        "add_gate_norm_scale": 2,
-    }[op]
-    return inputs + outputs * x.numel() * x.element_size()
+    first = next(value for value in arguments.values() if isinstance(value, torch.Tensor))  # outputs are shaped like it
+    return inputs + len(SPECS[op].outputs) * first.numel() * first.element_size()

@@ -60,6 +60,7 @@ import yaml
 
 from . import constraints as constraint_checks
 from .constraints import shown
+from .contract import Kernel, as_kernel
 from .device import DeviceInfo
 from .features import Features
 
@@ -68,16 +69,13 @@ BUILTIN_REGISTRY = Path(__file__).resolve().parent.parent / "configs" / "registr
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_NODES = 100_000
 
-OPS = (
-    "norm_scale_shift",
-    "residual_norm_scale_shift",
-    "norm_scale_shift_select",
-    "residual_norm_scale_shift_select",
-    "add_gate_norm",
-    "add_gate_norm_scale",
-    "qk_norm_rope_",
-    "rope_",
-)
+OPS: dict = {}  # op name -> its reference function, in declaration order: ditops/opspec.py declares every op
+
+
+def declare_op(name: str, reference: Callable) -> None:
+    """Makes ``name`` an op the registry knows, run by ``reference`` on the reference backend
+    (the op's definition). An op that the registry files name no implementation for runs there alone."""
+    OPS[name] = reference
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
@@ -142,8 +140,12 @@ class Implementation:
         return self.backend.name
 
     @functools.cached_property
-    def function(self) -> Callable:
-        return getattr(importlib.import_module(self.backend.module), self.function_name)
+    def kernel(self) -> Kernel:
+        """What ditops/ops.py runs, binds or traces (dispatch/contract.py). The reference
+        backend runs the op's declared reference."""
+        if self.backend.name == "reference":
+            return as_kernel(OPS[self.op])
+        return as_kernel(getattr(importlib.import_module(self.backend.module), self.function_name))
 
     def refusal(self, features: Features) -> Optional[str]:
         """Why this implementation cannot take a call with these features (every failed
@@ -181,9 +183,6 @@ class Preference(NamedTuple):
     def cited(self) -> str:
         return "ditops bench " + "; ".join(str(row) for row in self.evidence)
 
-    # What ditops/ops.py's explain reads until it shows str(rule).
-    measured = cited
-
     def __str__(self) -> str:
         return f"{self.backend} goes first here, measured: {self.cited}"
 
@@ -193,7 +192,7 @@ class Registry:
 
     def __init__(self) -> None:
         self.backends: dict = {}
-        self.entries: dict = {op: [] for op in OPS}  # op -> list of (backend name, entry mapping)
+        self.entries: dict = {op: [] for op in OPS}  # op -> list of (backend name, entry mapping); none: the reference alone
         self.disabled: set = set()  # (op or "*", backend name)
         self.preferences: dict = {op: [] for op in OPS}  # op -> list of Preference, first match wins
         self.sources: list = []
@@ -333,7 +332,7 @@ class Registry:
     def implementations(self, op: str) -> list:
         """The enabled implementations of ``op``, best first."""
         result = []
-        for backend_name, entry in self.entries[op]:
+        for backend_name, entry in self.entries[op] or [("reference", {"backend": "reference"})]:
             if ("*", backend_name) in self.disabled or (op, backend_name) in self.disabled:
                 continue
             where = f"{op} -> {backend_name}"

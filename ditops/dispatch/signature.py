@@ -31,12 +31,6 @@ from torch import Tensor
 
 from .features import MAX_ALIGNMENT
 
-try:  # PlanTable.find and a cached call in C (cached_call.c), built when the package is installed
-    from ._cached_call import cached_call, configure_cached_call
-    from ._cached_call import find as _find_in_c
-except ImportError:  # pragma: no cover - a build without a C compiler runs the Python twins
-    _find_in_c = cached_call = configure_cached_call = None
-
 try:  # private to Dynamo, public in its use there since torch 2.1
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:  # pragma: no cover - every torch this project supports has it
@@ -117,11 +111,6 @@ class PlanTable:
 
     def __init__(self) -> None:
         self._by_key: dict = {}  # key -> tuple of entries (see find), in insertion order
-        # op name -> ((key, entries), ...): the last few signatures that cached_call.c found for
-        # the op, newest first, which it checks a call against before building the call's key;
-        # entries are only ever added to a key, and plans of a stale key are still right (a new
-        # configuration makes a new table).
-        self.last: dict = {}
         self._count = 0
         self._lock = threading.Lock()
 
@@ -132,12 +121,6 @@ class PlanTable:
         """``(plan, pointers)`` for a call with this key and these arguments, or None.
         ``pointers``: the data pointers of the call's tensor arguments, in argument order,
         read once here for the alignment class and handed on to the launch."""
-        if _find_in_c is not None:
-            return _find_in_c(self._by_key, signature_key, arguments)
-        return self.find_in_python(signature_key, arguments)
-
-    def find_in_python(self, signature_key: tuple, arguments: tuple):
-        """``find``'s Python twin (cached_call.c is the other): the same entries, the same answer."""
         # Each entry: (the tensor arguments' positions, the same as an itemgetter, TensorGuards'
         # check, whether every pointer was aligned, each pointer modulo MAX_ALIGNMENT, the plan).
         for _, tensors_of, check, aligned, low_bits, plan in self._by_key.get(signature_key, ()):

@@ -22,6 +22,13 @@ def available(device: DeviceInfo) -> Optional[str]:
     return None
 
 
-# One function per op, named as the op: what the registry looks up.
+# One kernel per op, named as the op: what the registry looks up (dispatch/contract.py).
 KERNELS = CompiledOps(launch, bind)  # the op launches, for benchmarks/call_overhead.py
-globals().update(KERNELS.functions())
+norm_scale_shift = KERNELS.kernel(KERNELS.norm_scale_shift_launch)
+residual_norm_scale_shift = KERNELS.kernel(KERNELS.residual_norm_scale_shift_launch)
+norm_scale_shift_select = KERNELS.kernel(KERNELS.norm_scale_shift_select_launch)
+residual_norm_scale_shift_select = KERNELS.kernel(KERNELS.residual_norm_scale_shift_select_launch)
+add_gate_norm = KERNELS.kernel(KERNELS.add_gate_norm_launch)
+add_gate_norm_scale = KERNELS.kernel(KERNELS.add_gate_norm_scale_launch)
+qk_norm_rope_ = KERNELS.kernel(KERNELS.qk_norm_rope__launch)
+rope_ = KERNELS.kernel(KERNELS.rope__launch)

@@ -29,5 +29,13 @@ def available(device: DeviceInfo) -> Optional[str]:
 RELEASES["rocm"] = hiprtc.rocm_release
 
 
-# One function per op, named as the op: what the registry looks up.
-globals().update(CompiledOps(launch, bind).functions())
+# One kernel per op, named as the op: what the registry looks up (dispatch/contract.py).
+_COMPILED = CompiledOps(launch, bind)
+norm_scale_shift = _COMPILED.kernel(_COMPILED.norm_scale_shift_launch)
+residual_norm_scale_shift = _COMPILED.kernel(_COMPILED.residual_norm_scale_shift_launch)
+norm_scale_shift_select = _COMPILED.kernel(_COMPILED.norm_scale_shift_select_launch)
+residual_norm_scale_shift_select = _COMPILED.kernel(_COMPILED.residual_norm_scale_shift_select_launch)
+add_gate_norm = _COMPILED.kernel(_COMPILED.add_gate_norm_launch)
+add_gate_norm_scale = _COMPILED.kernel(_COMPILED.add_gate_norm_scale_launch)
+qk_norm_rope_ = _COMPILED.kernel(_COMPILED.qk_norm_rope__launch)
+rope_ = _COMPILED.kernel(_COMPILED.rope__launch)

@@ -2,9 +2,8 @@
 
 Each op of docs/ops.md is a function ``<op>_launch`` with the backend calling convention (the
 op's arguments, then the outputs to write) that only computes its ``KernelLaunch``; the op
-function itself runs that launch, and carries the two other ways ops.py issues it
-(kernel_launch.py): ``bind`` (a pre-bound launcher for a call signature) and ``trace``
-(the launch handed to torch.compile). Who may call them (devices, dtypes, sizes) is written
+op's ``Kernel`` (dispatch/contract.py) runs that launch, binds it (a pre-bound launcher for
+a call signature) or traces it (the launch handed to torch.compile): kernel_launch.py. Who may call them (devices, dtypes, sizes) is written
 in configs/registry.yaml. Math is float32; each output is rounded once when stored.
 """
 
@@ -13,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...dispatch.device import DeviceInfo
+from ...dispatch.contract import Kernel
 from ..views import modulation, rows_of, tokens_of
 from .gated_add_norm import gated_add_norm_kernel
 from .kernel_launch import KernelLaunch, bind, run, trace
@@ -170,23 +170,21 @@ def rope__launch(q, k, cos_sin_cache, positions, interleaved, rotary_dim, positi
     return _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, False, q_out, k_out)
 
 
-def _op_function(launch_of):
-    """The op as the registry calls it, with ``bind`` and ``trace`` for ops.py's plans and
-    torch.compile (see kernel_launch.py)."""
-
-    def function(*values):
-        run(launch_of(*values))
-
-    function.bind = lambda values, device_index: bind(launch_of(*values), values, device_index)
-    function.trace = lambda *values: trace(launch_of(*values))
-    return function
+def _kernel(launch_of) -> Kernel:
+    """The op as the registry calls it (dispatch/contract.py): its launch run, bound or traced
+    (kernel_launch.py)."""
+    return Kernel(
+        run=lambda *values: run(launch_of(*values)),
+        bind=lambda values, device_index: bind(launch_of(*values), values, device_index),
+        trace=lambda *values: trace(launch_of(*values)),
+    )
 
 
-norm_scale_shift = _op_function(norm_scale_shift_launch)
-residual_norm_scale_shift = _op_function(residual_norm_scale_shift_launch)
-norm_scale_shift_select = _op_function(norm_scale_shift_select_launch)
-residual_norm_scale_shift_select = _op_function(residual_norm_scale_shift_select_launch)
-add_gate_norm = _op_function(add_gate_norm_launch)
-add_gate_norm_scale = _op_function(add_gate_norm_scale_launch)
-qk_norm_rope_ = _op_function(qk_norm_rope__launch)
-rope_ = _op_function(rope__launch)
+norm_scale_shift = _kernel(norm_scale_shift_launch)
+residual_norm_scale_shift = _kernel(residual_norm_scale_shift_launch)
+norm_scale_shift_select = _kernel(norm_scale_shift_select_launch)
+residual_norm_scale_shift_select = _kernel(residual_norm_scale_shift_select_launch)
+add_gate_norm = _kernel(add_gate_norm_launch)
+add_gate_norm_scale = _kernel(add_gate_norm_scale_launch)
+qk_norm_rope_ = _kernel(qk_norm_rope__launch)
+rope_ = _kernel(rope__launch)

@@ -37,7 +37,6 @@ def trace(launch: KernelLaunch) -> None:
 
 
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
-_LEAD = 9  # the C launcher's arguments before the kernel's: grid (3), stream, function, metadata, 3 launch hooks
 
 
 def bound_launch_refusal() -> Optional[str]:
@@ -113,16 +112,6 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
         else:
             c_launcher(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *arguments)
 
-    # The same launch as data, for dispatch/cached_call.c to issue from C when this device is
-    # current and no launch hook is set (else it calls this launcher): the C launcher's whole
-    # argument tuple with None for the stream and the pointers, and where a call's pointers go
-    # (place in that tuple, index in the pointers), so that C copies the template and fills
-    # those few places.
-    places = [(_LEAD + place, index) for place, index in enumerate(indices) if index < pointer_count]
-    template = (grid_x, grid_y, grid_z, None, function, metadata, None, None, None) + tuple(
-        None if index < pointer_count else constants[index - pointer_count] for index in indices)
-    # With one visible device that device is always current: C skips asking (0.1 us a call).
-    launcher.direct = (c_launcher, device_index, template, tuple(places), hooks, torch.cuda.device_count() > 1)
     return launcher
 
 

@@ -1,0 +1,735 @@
+"""Every op, defined once: its signature and documentation, argument checks, outputs,
+reference and the inputs that exercise it.
+
+An ``OpSpec`` holds one op. ditops/ops.py derives from it the public function (the
+signature below, plus ``backend=``), the torch.library schema and registration, the fake
+(meta) implementation, ``explain``; the registry (ditops/dispatch/registry.py) learns the op
+and its reference from it; ditops/examples.py, ditops/conformance.py and ditops/bench/cases.py
+build their calls with its ``build`` from its ``conformance`` and ``bench`` inputs.
+
+Adding an op is one entry here and its reference function (docs/extending.md); the kernels of
+other backends and their registry rows come after, each checked against the reference.
+"""
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from . import validation
+from .backends import reference
+from .dispatch import Features, describe
+from .inputs import HeadSpec, RowSpec, activation, is_meta, modulation, random, selection_index
+
+InputSpec = Union[RowSpec, HeadSpec]
+
+
+class BenchShape(NamedTuple):
+    """A benchmark case of an op: the model it stands for, its shape as text, its inputs."""
+
+    model: str
+    shape: str
+    inputs: InputSpec
+    quick: bool = False  # part of `ditops bench --quick`
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op. ``signature``: a function whose signature and docstring are the public
+    function's (its body never runs; annotations give the schema's types). ``check(*arguments,
+    describe_call=True)``: raises ValueError on bad input, else returns the call's Features (None
+    for an empty input). ``outputs``: the names of the new tensors it returns, each shaped and
+    typed like its first argument; an in-place op names the arguments it writes in ``mutates``
+    instead. ``reference(*arguments, *outputs)``: the definition (backends/reference). ``build(
+    inputs, dtype, device, generator)``: the keyword arguments of a call described by a RowSpec
+    or HeadSpec (ditops/inputs.py)."""
+
+    signature: Callable
+    check: Callable
+    reference: Callable
+    build: Callable
+    inputs: type = RowSpec  # what ``build`` takes: RowSpec (x's rows) or HeadSpec (q/k heads)
+    outputs: tuple = ()
+    mutates: tuple = ()
+    check_values: Optional[Callable] = None  # (*arguments) -> a plan's per-call check (arguments, pointers), ops.Plan
+    oracle: Optional[Callable] = None  # (named arguments, reference outputs, dtype) -> the float64 expectation; None: the reference's
+    conformance: Mapping = dataclasses.field(default_factory=dict)  # case name -> inputs
+    bench: tuple = ()  # BenchShape
+    default_shape: tuple = ()  # ``ditops explain`` / ``example_arguments`` without a shape
+    typical: Optional[Callable] = None  # (shape, param_dtype) -> the inputs of a DiT block's call at that shape
+
+    @property
+    def name(self) -> str:
+        return self.signature.__name__
+
+    @property
+    def result_names(self) -> tuple:
+        """What a call gives back: the new outputs, or the tensors written in place."""
+        return self.mutates or self.outputs
+
+    def schema(self) -> str:
+        """The torch.library schema: the signature's arguments in order (``(a!)`` marking what is
+        written in place), then ``str? backend``, the override."""
+        letters = iter("abcdefgh")
+        arguments = []
+        for parameter in inspect.signature(self.signature).parameters.values():
+            text = _SCHEMA_TYPES[parameter.annotation]
+            if parameter.name in self.mutates:
+                text = text.replace("Tensor", f"Tensor({next(letters)}!)")
+            arguments.append(f"{text} {parameter.name}")
+        returns = "()" if self.mutates else "Tensor" if len(self.outputs) == 1 else f"({', '.join(['Tensor'] * len(self.outputs))})"
+        return f"({', '.join(arguments)}, str? backend) -> {returns}"
+
+    def expected(self, named: dict, dtype: torch.dtype) -> tuple:
+        """The expected results of a call in float64 (``named``: every argument, widened)."""
+        results = self.reference(*named.values())
+        results = results if isinstance(results, tuple) else (results,)
+        if self.oracle is not None:
+            return self.oracle(named, results, dtype)
+        return tuple(t for t in results if t is not None)
+
+
+_SCHEMA_TYPES = {
+    Tensor: "Tensor", Optional[Tensor]: "Tensor?", str: "str", Optional[str]: "str?", float: "float",
+    bool: "bool", int: "SymInt", Optional[int]: "SymInt?",
+}
+
+
+def _stored(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A float64 intermediate as the op stores it: rounded once to the activations' dtype."""
+    return t.to(dtype).to(torch.float64)
+
+
+# Checks: validation (raises ValueError), then the features the dispatcher reads.
+
+
+def _norm_arguments(op, shape, device, weight, bias, norm, eps):
+    validation.affine(op, "weight", weight, shape.hidden, device)
+    validation.affine(op, "bias", bias, shape.hidden, device)
+    validation.norm_kind(op, norm, bias)
+    validation.eps(op, eps)
+
+
+def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_call=True) -> Optional[Features]:
+    op = "norm_scale_shift"
+    validation.tensor(op, "x", x)
+    device = x.device
+    shape = validation.rows(op, "x", x)
+    forms = (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
+    _norm_arguments(op, shape, device, weight, bias, norm, eps)
+    if describe_call and x.numel():
+        return describe((x,), (scale, shift, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
+                        modulation=forms)
+
+
+def _check_residual_norm_scale_shift(
+    x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call=True
+) -> Optional[Features]:
+    op = "residual_norm_scale_shift"
+    device = validation.activation_pair(op, "x", x, "residual", residual)
+    shape = validation.rows(op, "x", x)
+    gate_form = () if gate is None else (validation.modulation(op, "gate", gate, shape, device),)  # None: a gate of 1
+    forms = gate_form + (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
+    _norm_arguments(op, shape, device, weight, bias, norm, eps)
+    if describe_call and x.numel():
+        return describe(
+            (x, residual), (gate, scale, shift, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
+            modulation=forms,
+        )
+
+
+def _select_arguments(op, x, index, modulation, weight, bias, eps):
+    """Checks shared by the select ops; ``modulation`` maps the six names to tensors."""
+    device = x.device
+    shape = validation.rows(op, "x", x)
+    validation.selection_index(op, index, shape, device)
+    for name, t in modulation.items():
+        validation.per_batch(op, name, t, shape, device)
+    _norm_arguments(op, shape, device, weight, bias, "layer", eps)
+    return shape
+
+
+def _check_norm_scale_shift_select(
+    x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
+) -> Optional[Features]:
+    op = "norm_scale_shift_select"
+    validation.tensor(op, "x", x)
+    modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
+    shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
+    if describe_call and x.numel():
+        return describe(
+            (x,), (*modulation.values(), weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm="layer",
+            modulation=("batch",) * 6,
+        )
+
+
+def _check_residual_norm_scale_shift_select(
+    x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
+) -> Optional[Features]:
+    op = "residual_norm_scale_shift_select"
+    validation.activation_pair(op, "x", x, "residual", residual)
+    validation.tensor(op, "residual_gate", residual_gate, validation.ACTIVATION_DTYPES, x.device)
+    validation.same_shape(op, "residual_gate", residual_gate, "x", x)
+    modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
+    shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
+    if describe_call and x.numel():
+        return describe(
+            (x, residual),
+            (residual_gate, *modulation.values(), weight, bias),
+            hidden_size=shape.hidden, batch_size=shape.batch,
+            norm="layer",
+            modulation=("token",) + ("batch",) * 6,
+        )
+
+
+def _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act):
+    device = validation.activation_pair(op, "x", x, "branch", branch)
+    shape = validation.rows(op, "x", x)
+    form = validation.modulation(op, "gate", gate, shape, device)
+    _norm_arguments(op, shape, device, weight, bias, norm, eps)
+    validation.choice(op, "gate_act", gate_act, validation.GATE_ACTIVATIONS)
+    return shape, device, form
+
+
+def _check_add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, describe_call=True) -> Optional[Features]:
+    op = "add_gate_norm"
+    shape, _, form = _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act)
+    if describe_call and x.numel():
+        return describe((x, branch), (gate, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
+                        modulation=(form,))
+
+
+def _check_add_gate_norm_scale(
+    x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, describe_call=True
+) -> Optional[Features]:
+    op = "add_gate_norm_scale"
+    shape, device, form = _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act)
+    scale_form = validation.modulation(op, "scale", scale, shape, device)
+    validation.affine(op, "weight2", weight2, shape.hidden, device)
+    validation.affine(op, "bias2", bias2, shape.hidden, device)
+    if norm == "rms" and bias2 is not None:
+        validation.fail(op, "bias2", "is a tensor with norm='rms'", "None (RMSNorm has no bias)")
+    if describe_call and x.numel():
+        return describe(
+            (x, branch),
+            (gate, scale, weight, bias, weight2, bias2),
+            hidden_size=shape.hidden, batch_size=shape.batch,
+            norm=norm,
+            modulation=(form, scale_form),
+        )
+
+
+def _check_qk_norm_rope(
+    q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset, describe_call=True
+) -> Optional[Features]:
+    op = "qk_norm_rope_"
+    if k is None:
+        validation.fail(op, "k", "is None", "a tensor (only rope_ takes k=None)")
+    heads = validation.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
+    device = q.device
+    validation.affine(op, "q_weight", q_weight, heads.head_size, device)
+    validation.affine(op, "k_weight", k_weight, heads.head_size, device)
+    validation.eps(op, eps)
+    if describe_call and q.numel():
+        return describe(
+            (q, k),
+            (q_weight, k_weight, cos_sin_cache),
+            head_size=heads.head_size,
+            rotary_dim=heads.rotary_dim,
+            interleaved=interleaved,
+        )
+
+
+def _check_rope(
+    q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, describe_call=True
+) -> Optional[Features]:
+    heads = validation.heads("rope_", q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
+    if describe_call and q.numel():
+        return describe(
+            (q, k) if k is not None else (q,),
+            (cos_sin_cache,),
+            head_size=heads.head_size,
+            rotary_dim=heads.rotary_dim,
+            interleaved=interleaved,
+        )
+
+
+def _in_place_checks(op: str, read_names: tuple) -> Callable:
+    """The per-call checks of an in-place op, whose arguments are q, k, then ``read_names``
+    and the rest: positions within the cache, and no memory shared with what it writes
+    (validation.InPlaceAliasing, whose spans are fixed per plan; it reads the pointers that
+    the call signature's check read: those of q, k and the tensors read, in that order)."""
+    cache_at, positions_at = read_names.index("cos_sin_cache"), read_names.index("positions")
+
+    def for_plan(q, k, *rest):
+        aliasing = validation.InPlaceAliasing(op, q, k, dict(zip(read_names, rest)))
+        if rest[positions_at] is None:  # None is in the call signature: nothing to read but pointers
+            return aliasing  # a check(arguments, pointers) whose spans dispatch/cached_call.c also reads
+
+        def check(arguments, pointers):
+            rest = arguments[2:]
+            validation.position_values(op, rest[positions_at], rest[cache_at])
+            aliasing.check(pointers)
+
+        return check
+
+    return for_plan
+
+
+# Inputs: each op's keyword arguments for a RowSpec or HeadSpec (ditops/inputs.py).
+
+
+class _Rows:
+    """The tensors of a norm-op call described by a RowSpec, drawn in the order they are asked for."""
+
+    def __init__(self, spec: RowSpec, dtype, device, generator):
+        self.spec, self.dtype, self.device, self.generator = spec, dtype, device, generator
+        self.shape = (spec.tokens, spec.hidden) if spec.two_d else (spec.batch, spec.tokens, spec.hidden)
+        self.param_dtype = spec.param_dtype or dtype
+        self.weight_dtype = spec.weight_dtype or self.param_dtype
+
+    def x(self) -> Tensor:
+        return activation(self.generator, self.device, self.dtype, self.shape, self.spec.layout, self.spec.special_values)
+
+    def modulation(self, form: str) -> Tensor:
+        spec = self.spec
+        return modulation(self.generator, self.device, self.param_dtype, form, spec.batch, spec.tokens, spec.hidden)
+
+    def affine(self) -> Optional[Tensor]:
+        return random(self.generator, self.device, self.weight_dtype, self.spec.hidden) if self.spec.affine else None
+
+    def bias(self) -> Optional[Tensor]:
+        return self.affine() if self.spec.norm == "layer" else None
+
+
+def _norm_scale_shift_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    r = _Rows(spec, dtype, device, generator)
+    return dict(x=r.x(), scale=r.modulation(spec.scale), shift=r.modulation(spec.shift), weight=r.affine(), bias=r.bias(),
+                norm=spec.norm)
+
+
+def _residual_norm_scale_shift_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    r = _Rows(spec, dtype, device, generator)
+    return dict(x=r.x(), residual=r.x(), gate=r.modulation(spec.gate) if spec.gate else None, scale=r.modulation(spec.scale),
+                shift=r.modulation(spec.shift), weight=r.affine(), bias=r.bias(), norm=spec.norm)
+
+
+_SETS = ("scale0", "shift0", "gate0", "scale1", "shift1", "gate1")
+
+
+def _norm_scale_shift_select_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    r = _Rows(spec, dtype, device, generator)
+    index = selection_index(spec, device, generator)  # drawn before x: the conformance cases' values depend on the order
+    arguments = dict(x=r.x(), index=index)
+    arguments.update({name: r.modulation(spec.select_form) for name in _SETS})
+    if spec.set1_dtype is not None:
+        arguments.update({name: arguments[name].to(spec.set1_dtype) for name in _SETS[3:]})
+    arguments.update(weight=r.affine(), bias=r.bias())
+    return arguments
+
+
+def _residual_norm_scale_shift_select_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    arguments = _norm_scale_shift_select_inputs(spec, dtype, device, generator)
+    r = _Rows(spec, dtype, device, generator)
+    residual = r.x()
+    residual_gate = random(generator, device, r.param_dtype, *r.shape) if spec.gate_in_param_dtype else r.x()
+    return dict(arguments, residual=residual, residual_gate=residual_gate)
+
+
+def _add_gate_norm_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    r = _Rows(spec, dtype, device, generator)
+    gate_act = "tanh" if spec.norm == "rms" else None  # Z-Image's RMS sandwich uses a tanh gate
+    return dict(x=r.x(), branch=r.x(), gate=r.modulation(spec.gate), weight=r.affine(), bias=r.bias(), norm=spec.norm,
+                eps=1e-5, gate_act=gate_act)
+
+
+def _add_gate_norm_scale_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    arguments = _add_gate_norm_inputs(spec, dtype, device, generator)
+    r = _Rows(spec, dtype, device, generator)
+    return dict(arguments, scale=r.modulation(spec.scale), weight2=r.affine(), bias2=r.bias())
+
+
+def _rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
+    head_size = spec.head_size
+    if spec.layout == "qkv":
+        width = (spec.q_heads + 2 * spec.k_heads) * head_size
+        qkv = random(generator, device, dtype, *spec.leading, width)
+        q = qkv[..., : spec.q_heads * head_size].unflatten(-1, (spec.q_heads, head_size))
+        k = qkv[..., spec.q_heads * head_size : (spec.q_heads + spec.k_heads) * head_size].unflatten(-1, (spec.k_heads, head_size))
+    else:
+        q = activation(generator, device, dtype, (*spec.leading, spec.q_heads, head_size), spec.layout)
+        k = activation(generator, device, dtype, (*spec.leading, spec.k_heads, head_size), spec.layout)
+    rotary_dim = spec.rotary_dim or head_size
+    rows = spec.position_offset + spec.leading[-1] + spec.spare_cache_rows
+    if is_meta(device):
+        cache = torch.empty((rows, rotary_dim), dtype=spec.cache_dtype, device="meta")
+        positions = None if spec.positions is None else torch.empty(spec.leading, dtype=spec.positions, device="meta")
+    else:
+        angle = torch.rand((rows, rotary_dim // 2), generator=generator, device=generator.device, dtype=torch.float64) * 6.3
+        cache = torch.cat([torch.cos(angle), torch.sin(angle)], dim=1).to(device=device, dtype=spec.cache_dtype)
+        positions = None
+        if spec.positions is not None:
+            positions = torch.randint(0, rows, spec.leading, generator=generator, device=generator.device).to(device=device, dtype=spec.positions)
+    return dict(q=q, k=None if spec.k_none else k, cos_sin_cache=cache, positions=positions, interleaved=spec.interleaved,
+                rotary_dim=spec.rotary_dim, position_offset=spec.position_offset)
+
+
+def _qk_norm_rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
+    arguments = _rope_inputs(spec, dtype, device, generator)
+    q_weight_dtype, k_weight_dtype = (weight_dtype or dtype for weight_dtype in spec.weight_dtypes)
+    return dict(arguments, q_weight=random(generator, device, q_weight_dtype, spec.head_size),
+                k_weight=random(generator, device, k_weight_dtype, spec.head_size))
+
+
+def _typical_rows(norm: str) -> Callable:
+    """A DiT block's norm-op call at x's [B, S, D] or [S, D]: per-batch [B, D] modulation views of
+    [B, 6, D] tensors, float32 weights (param_dtype: every tensor but the activations, as Wan's float32)."""
+
+    def typical(shape: tuple, param_dtype: Optional[torch.dtype]) -> RowSpec:
+        batch, tokens, hidden = shape if len(shape) == 3 else (1, *shape)
+        return RowSpec(batch, tokens, hidden, two_d=len(shape) == 2, norm=norm, param_dtype=param_dtype,
+                       weight_dtype=param_dtype or torch.float32, index="halves", select_form="batch_view",
+                       gate_in_param_dtype=True)
+
+    return typical
+
+
+def _typical_heads(shape: tuple, param_dtype: Optional[torch.dtype]) -> HeadSpec:
+    """A DiT block's RoPE-op call at q's [T, H, Dh] or [B, S, H, Dh]: float32 weights and cache, no positions."""
+    weight_dtype = param_dtype or torch.float32
+    return HeadSpec(shape[:-2], shape[-2], shape[-2], shape[-1], cache_dtype=weight_dtype,
+                    weight_dtypes=(weight_dtype, weight_dtype), spare_cache_rows=0)
+
+
+# The oracle where an op stores an intermediate and normalises it as stored: rounded to the
+# activations' dtype at the same point, then normalised with the call's own arguments.
+
+
+def _residual_norm_scale_shift_oracle(named: dict, results: tuple, dtype) -> tuple:
+    residual_out = results[1]
+    y = reference.norm_scale_shift(_stored(residual_out, dtype), named["scale"], named["shift"], named["weight"],
+                                   named["bias"], named["norm"], named["eps"])
+    return y, residual_out
+
+
+def _residual_norm_scale_shift_select_oracle(named: dict, results: tuple, dtype) -> tuple:
+    residual_out = results[1]
+    selection = {key: named[key] for key in ("index", *_SETS, "weight", "bias", "eps")}
+    y, gate = reference.norm_scale_shift_select(_stored(residual_out, dtype), **selection)
+    return y, residual_out, gate
+
+
+def _add_gate_norm_scale_oracle(named: dict, results: tuple, dtype) -> tuple:
+    out = results[0]
+    zero_shift = torch.zeros((), dtype=torch.float64, device=out.device)
+    y = reference.norm_scale_shift(_stored(out, dtype), named["scale"], zero_shift, named["weight2"], named["bias2"],
+                                   named["norm"], named["eps"])
+    return out, y
+
+
+# Benchmark inputs: each op at the real shapes of docs/ops.md, plus a small latency case,
+# laid out as the models pass them: modulation as [B, D] or [B, 1, D] views of [B, 6, D]
+# tensors (float32 in Wan, the activations' dtype elsewhere), per-token cos/sin caches for
+# multi-axis RoPE, int64 positions for the LLM-style RoPE rows.
+
+TEXT_TOKENS = 512  # text tokens beside 4096 image tokens at 1024px (FLUX, FLUX.2, Qwen-Image, Z-Image)
+_JOINT = 4096 + TEXT_TOKENS
+
+
+def _rows(batch, tokens, hidden, *, modulation_dtype=None, norm="layer", affine=False, per_batch_3d=False) -> RowSpec:
+    """A norm-op benchmark call; ``per_batch_3d`` gives [B, 1, D] modulation views (Wan) instead of [B, D]."""
+    form = "batch3_view" if per_batch_3d else "batch_view"
+    return RowSpec(batch, tokens, hidden, form, form, form, norm=norm, param_dtype=modulation_dtype, affine=affine,
+                   index="halves", select_form="batch_view")
+
+
+def _heads(tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=False) -> HeadSpec:
+    """A RoPE-op benchmark call, q/k [T, H, Dh]: a per-token float32 cache and no positions
+    (multi-axis RoPE), or int64 positions into the cache; the q/k norm weights in the
+    activations' dtype, as the models hold them."""
+    return HeadSpec((tokens,), q_heads, k_heads, head_size, interleaved=interleaved,
+                    positions=torch.int64 if positions else None, weight_dtypes=(None, None))
+
+
+_WAN = dict(modulation_dtype=torch.float32, per_batch_3d=True)
+_NORM_BENCH = (
+    BenchShape("Wan2.1-1.3B 480p", "B1 S32760 D1536", _rows(1, 32760, 1536, **_WAN), quick=True),
+    BenchShape("Wan2.1-14B 720p", "B1 S75600 D5120", _rows(1, 75600, 5120, **_WAN)),
+    BenchShape("HunyuanVideo 720p", "B1 S118800 D3072", _rows(1, 118800, 3072)),
+    BenchShape("Qwen-Image 1024px", "B1 S4096 D3072", _rows(1, 4096, 3072, affine=True)),
+)
+_LATENCY_ROWS = BenchShape("latency", "B1 S128 D3072", _rows(1, 128, 3072))
+_SELECT_BENCH = (
+    BenchShape("Qwen-Image-Edit 1024px", "B1 S8192 D3072", _rows(1, 8192, 3072, affine=True), quick=True),
+    _LATENCY_ROWS,
+)
+_GATE_NORM_BENCH = (
+    BenchShape("Z-Image-Turbo 1024px", f"B1 S{_JOINT} D3840",
+               _rows(1, _JOINT, 3840, norm="rms", affine=True, modulation_dtype=torch.float32), quick=True),
+    BenchShape("latency", "B1 S128 D3072", _rows(1, 128, 3072, norm="rms", affine=True)),
+)
+_QK_NORM_ROPE_BENCH = (
+    BenchShape("FLUX.1-dev 1024px", f"T{_JOINT} H24 Dh128", _heads(_JOINT, 24, 24, 128), quick=True),
+    BenchShape("HunyuanVideo 720p", "T118800 H24 Dh128", _heads(118800, 24, 24, 128)),
+    BenchShape("FLUX.2-dev 1024px", f"T{_JOINT} H48 Dh128", _heads(_JOINT, 48, 48, 128)),
+    BenchShape("Qwen-Image-Edit 1024px", f"T{8192 + TEXT_TOKENS} H24 Dh128", _heads(8192 + TEXT_TOKENS, 24, 24, 128)),
+    BenchShape("Z-Image-Turbo 1024px", f"T{_JOINT} H30 Dh128", _heads(_JOINT, 30, 30, 128)),
+    BenchShape("latency", "T128 H24 Dh128", _heads(128, 24, 24, 128), quick=True),
+)
+_LLM = 16384
+_ROPE_BENCH = (
+    BenchShape("Wan2.1-1.3B 480p", "T32760 H12 Dh128", _heads(32760, 12, 12, 128), quick=True),
+    BenchShape("Wan2.1-14B 720p", "T75600 H40 Dh128", _heads(75600, 40, 40, 128)),
+    BenchShape("LLM GQA NeoX", f"T{_LLM} Hq32 Hk8 Dh128 neox", _heads(_LLM, 32, 8, 128, interleaved=False, positions=True)),
+    BenchShape("LLM GQA interleaved", f"T{_LLM} Hq32 Hk8 Dh128", _heads(_LLM, 32, 8, 128, positions=True)),
+    BenchShape("LLM Dh80 NeoX", f"T{_LLM} H16 Dh80 neox", _heads(_LLM, 16, 16, 80, interleaved=False, positions=True)),
+    BenchShape("LLM GQA Dh96 NeoX", f"T{_LLM} Hq16 Hk2 Dh96 neox", _heads(_LLM, 16, 2, 96, interleaved=False, positions=True)),
+    BenchShape("latency", "T128 H24 Dh128", _heads(128, 24, 24, 128), quick=True),
+)
+
+
+# Conformance inputs: real model shapes scaled down (fewer tokens and heads, real D and Dh),
+# odd sizes, every modulation form, strided, expanded and misaligned views, GQA/MQA, partial
+# rotary, position offsets and empty inputs.
+
+ROW_SPECS = {
+    "wan1.3b-fp32-mod": RowSpec(1, 40, 1536, "batch3", "batch3", "batch3", param_dtype=torch.float32),
+    "hunyuan-chunked-mod": RowSpec(2, 24, 3072),
+    "flux2-rms": RowSpec(1, 16, 6144, norm="rms", affine=False),
+    "odd-d1000-token-mod": RowSpec(2, 7, 1000, "token", "token1", "token"),
+    "wide-d8200": RowSpec(1, 3, 8200),  # rows held by several warps (the compiled kernels' widest class)
+    "d4104-rms": RowSpec(2, 3, 4104, "vector", "batch", "token", norm="rms"),
+    "per-frame": RowSpec(1, 12, 256, "frame", "frame", "frame", param_dtype=torch.float32),
+    "scalar-and-vector": RowSpec(2, 5, 128, "scalar", "vector", "scalar1"),
+    "vector3-rms": RowSpec(1, 9, 384, "vector3", "vector", "vector3", norm="rms"),
+    "strided-x": RowSpec(2, 6, 512, layout="strided"),
+    "expanded-mod": RowSpec(2, 6, 256, "token_expanded", "batch", "token_expanded"),
+    "misaligned": RowSpec(1, 5, 200, "batch", "batch", "batch", layout="misaligned", norm="rms"),
+    "two-d-x": RowSpec(1, 11, 320, "vector", "batch", "token1", two_d=True),
+    "gate-none": RowSpec(2, 4, 192, gate=None),
+    "nan-inf": RowSpec(2, 4, 96, special_values=True),
+    "empty": RowSpec(2, 0, 256),
+}
+
+SELECT_SPECS = {
+    "qwen-edit": RowSpec(1, 32, 3072, param_dtype=torch.float32),
+    "sets-of-two-dtypes": RowSpec(2, 6, 256, param_dtype=torch.float16, set1_dtype=torch.bfloat16),
+    "odd-d1000": RowSpec(2, 9, 1000),
+    "d4104": RowSpec(1, 5, 4104),
+    "strided-x": RowSpec(2, 6, 512, layout="strided"),
+    "misaligned": RowSpec(1, 5, 200, layout="misaligned"),
+    "empty": RowSpec(1, 0, 128),
+}
+
+GATE_NORM_SPECS = {
+    "z-image": RowSpec(1, 24, 3840, norm="rms", param_dtype=torch.float32, affine=False),
+    "odd-d1000-layer": RowSpec(2, 7, 1000, gate="token"),
+    "wide-d8200-rms": RowSpec(1, 3, 8200, norm="rms"),
+    "per-frame": RowSpec(1, 12, 256, gate="frame", scale="frame", norm="rms"),
+    "scalar-gate": RowSpec(2, 5, 128, gate="scalar", scale="vector", norm="layer"),
+    "strided-x": RowSpec(2, 6, 512, layout="strided", norm="rms"),
+    "misaligned": RowSpec(1, 5, 200, layout="misaligned", norm="rms"),
+    "empty": RowSpec(2, 0, 64),
+}
+
+
+HEAD_SPECS = {
+    "flux-image-tokens": HeadSpec((1, 24), 4, 4, 128, position_offset=8),
+    "llm-gqa-neox": HeadSpec((33,), 8, 2, 128, interleaved=False, positions=torch.int64),
+    "dh80-int32-positions": HeadSpec((2, 9), 4, 4, 80, positions=torch.int32),
+    "dh96-mqa-neox": HeadSpec((17,), 4, 1, 96, interleaved=False, positions=torch.int64),
+    # a NeoX head of Dh 80 is 5 lanes of the CUDA kernel, 6 heads a 32-lane segment: 7 q heads
+    # cross a segment's end
+    "dh80-gqa-neox": HeadSpec((19,), 7, 3, 80, interleaved=False, positions=torch.int64),
+    "partial-rotary": HeadSpec((2, 6), 2, 2, 128, rotary_dim=64, interleaved=False, position_offset=3),
+    "partial-rotary-interleaved": HeadSpec((12,), 3, 3, 64, rotary_dim=32),
+    # 2 * 64 rotated + 256 passed-through values per head: a tile of 2048 holds 5 heads, and a
+    # block of heads must be a power of two (found by the GPU fuzz, seed 17, case 272).
+    "partial-rotary-dh256": HeadSpec((3,), 8, 1, 256, rotary_dim=112, interleaved=False),
+    "qkv-views": HeadSpec((2, 7), 4, 2, 128, layout="qkv", positions=torch.int64),
+    "misaligned": HeadSpec((5,), 2, 2, 64, layout="misaligned"),
+    "bf16-cache": HeadSpec((10,), 2, 2, 256, cache_dtype=torch.bfloat16),
+    "dh256-gqa-neox": HeadSpec((2, 3), 5, 2, 256, interleaved=False),
+    "dh16-neox": HeadSpec((6,), 3, 3, 16, interleaved=False, positions=torch.int32),
+    "empty": HeadSpec((0,), 2, 2, 128),
+}
+
+ROPE_ONLY_SPECS = {"k-none": HeadSpec((2, 5), 3, 3, 64, k_none=True)}
+
+
+
+
+# The ops. ``backend=`` (added to each public function) forces a backend for that call (see ditops.use_backend).
+
+T, OT = Tensor, Optional[Tensor]
+
+
+def norm_scale_shift(x: T, scale: T, shift: T, *, weight: OT = None, bias: OT = None, norm: str = "layer",
+                     eps: float = 1e-6) -> Tensor:
+    """``y = norm(x) * (1 + scale) + shift``.
+
+    x: [B, S, D] or [N, D]; scale, shift: a modulation form of docs/ops.md ([], [D], [B, D],
+    [B, S, D], [B, F, 1, D], ...); weight, bias: [D] or None; norm: "layer" or "rms".
+    Returns a new y shaped and typed like x.
+
+    >>> import torch, ditops
+    >>> x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    >>> modulation = torch.randn(2, 6, 64)  # [B, 6, D] float32, as a DiT block's AdaLN gives it
+    >>> y = ditops.norm_scale_shift(x, modulation[:, 1], modulation[:, 0])
+    >>> y.shape, y.dtype
+    (torch.Size([2, 16, 64]), torch.bfloat16)
+    """
+
+
+def residual_norm_scale_shift(x: T, residual: T, gate: OT, scale: T, shift: T, *, weight: OT = None, bias: OT = None,
+                              norm: str = "layer", eps: float = 1e-6) -> tuple:
+    """``residual_out = residual + gate * x`` (stored in x.dtype), ``y = norm(residual_out) * (1 + scale) + shift``.
+
+    x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: modulation forms.
+    Returns (y, residual_out).
+
+    >>> import torch, ditops
+    >>> attention, residual = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    >>> gate, scale, shift = torch.randn(3, 2, 64)
+    >>> y, residual = ditops.residual_norm_scale_shift(attention, residual, gate, scale, shift, norm="rms")
+    >>> y.shape == residual.shape == attention.shape
+    True
+    """
+
+
+def norm_scale_shift_select(x: T, index: T, scale0: T, shift0: T, gate0: T, scale1: T, shift1: T, gate1: T, *,
+                            weight: OT = None, bias: OT = None, eps: float = 1e-6) -> tuple:
+    """LayerNorm with a per-token choice of modulation: set 1 where index != 0, else set 0.
+
+    x: [B, S, D]; index: [B, S] integer; the six modulation tensors: [B, D].
+    Returns (y, gate_out), gate_out being the selected gate as a [B, S, D] tensor.
+
+    >>> import torch, ditops
+    >>> x = torch.randn(1, 8, 64)
+    >>> index = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])  # the last 4 tokens take set 1
+    >>> scale0, shift0, gate0, scale1, shift1, gate1 = torch.randn(6, 1, 64)
+    >>> y, gate = ditops.norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1)
+    >>> torch.equal(gate[0, 5], gate1[0])
+    True
+    """
+
+
+def residual_norm_scale_shift_select(x: T, residual: T, residual_gate: T, index: T, scale0: T, shift0: T, gate0: T,
+                                     scale1: T, shift1: T, gate1: T, *, weight: OT = None, bias: OT = None,
+                                     eps: float = 1e-6) -> tuple:
+    """``residual_out = residual + residual_gate * x``, then ``norm_scale_shift_select`` of it.
+
+    residual_gate: [B, S, D] (the gate_out of the previous call). Returns (y, residual_out, gate_out).
+
+    >>> import torch, ditops
+    >>> x, residual, residual_gate = torch.randn(3, 1, 8, 64)
+    >>> index = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    >>> scale0, shift0, gate0, scale1, shift1, gate1 = torch.randn(6, 1, 64)
+    >>> y, residual, gate = ditops.residual_norm_scale_shift_select(
+    ...     x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1)
+    >>> y.shape, residual.shape, gate.shape
+    (torch.Size([1, 8, 64]), torch.Size([1, 8, 64]), torch.Size([1, 8, 64]))
+    """
+
+
+def add_gate_norm(x: T, branch: T, gate: T, *, weight: OT = None, bias: OT = None, norm: str = "rms", eps: float = 1e-5,
+                  gate_act: Optional[str] = None) -> Tensor:
+    """``out = x + act(gate) * norm(branch)``, act = identity or tanh (``gate_act="tanh"``).
+
+    x, branch: [B, S, D] or [N, D]; gate: a modulation form. Returns out, typed like x.
+
+    >>> import torch, ditops
+    >>> x, branch, gate = torch.randn(2, 16, 64), torch.randn(2, 16, 64), torch.randn(2, 64)
+    >>> out = ditops.add_gate_norm(x, branch, gate, weight=torch.ones(64), gate_act="tanh")
+    >>> out.shape
+    torch.Size([2, 16, 64])
+    """
+
+
+def add_gate_norm_scale(x: T, branch: T, gate: T, scale: T, *, weight: OT = None, bias: OT = None, weight2: OT = None,
+                        bias2: OT = None, norm: str = "rms", eps: float = 1e-5, gate_act: Optional[str] = None) -> tuple:
+    """``out = x + act(gate) * norm(branch)`` (stored in x.dtype), then ``y = norm2(out) * (1 + scale)``.
+
+    norm2 uses weight2/bias2. Returns (out, y).
+
+    >>> import torch, ditops
+    >>> x, branch = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    >>> gate, scale = torch.randn(2, 2, 64)
+    >>> out, y = ditops.add_gate_norm_scale(x, branch, gate, scale, weight=torch.ones(64), weight2=torch.ones(64))
+    >>> out.shape, y.shape
+    (torch.Size([2, 16, 64]), torch.Size([2, 16, 64]))
+    """
+
+
+def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, positions: OT = None, *,
+                  interleaved: bool = True, rotary_dim: Optional[int] = None, eps: float = 1e-6,
+                  position_offset: int = 0) -> tuple:
+    """In place: per token and head, RMSNorm over Dh, then RoPE on the first R dims.
+
+    q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: the same leading dims with Hk heads; q_weight,
+    k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns); positions:
+    q's leading shape, or None for ``position_offset + token index``. Returns (q, k).
+
+    >>> import torch, ditops
+    >>> q, k = torch.randn(2, 32, 4, 128, dtype=torch.bfloat16)  # [T, H, Dh] each
+    >>> cache = ditops.rope_cos_sin_cache(32, 128)  # positions 0..31, all 128 dims rotated
+    >>> q_out, k_out = ditops.qk_norm_rope_(q, k, torch.ones(128), torch.ones(128), cache)
+    >>> q_out is q  # written in place
+    True
+    """
+
+
+def rope_(q: T, k: OT, cos_sin_cache: T, positions: OT = None, *, interleaved: bool = True,
+          rotary_dim: Optional[int] = None, position_offset: int = 0) -> tuple:
+    """In place: RoPE on the first R dims of every head of q and k (k may be None). Returns (q, k).
+
+    Shapes as in ``qk_norm_rope_``; ``interleaved=False`` is the NeoX layout.
+
+    >>> import torch, ditops
+    >>> q, k = torch.randn(32, 8, 64), torch.randn(32, 2, 64)  # GQA: 8 query heads, 2 key heads
+    >>> cache = ditops.rope_cos_sin_cache(4096, 64)
+    >>> positions = torch.randint(0, 4096, (32,))
+    >>> _ = ditops.rope_(q, k, cache, positions, interleaved=False)
+    """
+
+
+_ROW_CASES = {name: inputs for name, inputs in ROW_SPECS.items() if inputs.gate is not None}  # gate=None: residual op only
+_SELECTS = dict(conformance=SELECT_SPECS, bench=_SELECT_BENCH, default_shape=(1, 8192, 3072), typical=_typical_rows("layer"))
+_GATE_NORMS = dict(conformance=GATE_NORM_SPECS, bench=_GATE_NORM_BENCH, default_shape=(1, 4096, 3840),
+                   typical=_typical_rows("rms"))
+
+SPECS = {
+    spec.name: spec
+    for spec in (
+        OpSpec(norm_scale_shift, _check_norm_scale_shift, reference.norm_scale_shift, _norm_scale_shift_inputs,
+               outputs=("y",), conformance=_ROW_CASES, default_shape=(1, 4096, 3072), typical=_typical_rows("layer"),
+               bench=_NORM_BENCH + (
+                   BenchShape("FLUX.2-dev 1024px", f"B1 S{_JOINT} D6144", _rows(1, _JOINT, 6144)),
+                   BenchShape("Z-Image-Turbo (RMS)", f"B1 S{_JOINT} D3840", _rows(1, _JOINT, 3840, norm="rms", affine=True)),
+                   _LATENCY_ROWS._replace(quick=True),
+               )),
+        OpSpec(residual_norm_scale_shift, _check_residual_norm_scale_shift, reference.residual_norm_scale_shift,
+               _residual_norm_scale_shift_inputs, outputs=("y", "residual_out"), oracle=_residual_norm_scale_shift_oracle,
+               conformance=ROW_SPECS, bench=_NORM_BENCH + (_LATENCY_ROWS._replace(quick=True),),
+               default_shape=(1, 4096, 3072), typical=_typical_rows("layer")),
+        OpSpec(norm_scale_shift_select, _check_norm_scale_shift_select, reference.norm_scale_shift_select,
+               _norm_scale_shift_select_inputs, outputs=("y", "gate_out"), **_SELECTS),
+        OpSpec(residual_norm_scale_shift_select, _check_residual_norm_scale_shift_select,
+               reference.residual_norm_scale_shift_select, _residual_norm_scale_shift_select_inputs,
+               outputs=("y", "residual_out", "gate_out"), oracle=_residual_norm_scale_shift_select_oracle, **_SELECTS),
+        OpSpec(add_gate_norm, _check_add_gate_norm, reference.add_gate_norm, _add_gate_norm_inputs, outputs=("out",),
+               **_GATE_NORMS),
+        OpSpec(add_gate_norm_scale, _check_add_gate_norm_scale, reference.add_gate_norm_scale, _add_gate_norm_scale_inputs,
+               outputs=("out", "y"), oracle=_add_gate_norm_scale_oracle, **_GATE_NORMS),
+        OpSpec(qk_norm_rope_, _check_qk_norm_rope, reference.qk_norm_rope_, _qk_norm_rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
+               check_values=_in_place_checks("qk_norm_rope_", ("q_weight", "k_weight", "cos_sin_cache", "positions")),
+               conformance=HEAD_SPECS, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128), typical=_typical_heads),
+        OpSpec(rope_, _check_rope, reference.rope_, _rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
+               check_values=_in_place_checks("rope_", ("cos_sin_cache", "positions")),
+               conformance={**HEAD_SPECS, **ROPE_ONLY_SPECS}, bench=_ROPE_BENCH, default_shape=(4096, 32, 128),
+               typical=_typical_heads),
+    )
+}
