@@ -308,10 +308,12 @@ PUBLIC: dict = {}  # op name -> its public function, ditops.<op>
 
 
 def add_op(spec: OpSpec) -> Callable:
-    """Makes ``spec`` an op: the registry learns it and its reference, torch.library its schema,
-    ``explain`` and ``ditops.ops.PUBLIC`` its public function, which is returned."""
+    """Makes ``spec`` an op: the spec table (opspec.SPECS: conformance, bench and examples read
+    it), the registry (it and its reference), torch.library (its schema), ``explain`` and
+    ``ditops.ops.PUBLIC`` (its public function, which is returned)."""
     if spec.name in OPS:
         raise ValueError(f"spec: an op named {spec.name!r} exists already")
+    SPECS.setdefault(spec.name, spec)
     op = Op(spec)
     declare_op(spec.name, spec.reference)
     op.register()
