@@ -498,7 +498,7 @@ def _named(arch: str, name: str):
 
 @pytest.mark.parametrize("name, hidden, expected", [
     ("NVIDIA H200", 5120, "cuda"),
-    ("NVIDIA H100 80GB HBM3", 5120, "cuda"),
+    ("NVIDIA H100 80GB HBM3", 5120, "triton"),  # triton as fast there: the order of ops
     ("NVIDIA H200", 3072, "triton"),  # outside the measured range
     ("NVIDIA H100 80GB HBM3", 3072, "cuda"),
     ("NVIDIA H100 80GB HBM3", 2048, "triton"),
