@@ -93,7 +93,7 @@ def eager_rows(op: str, device: str) -> list:
     spec = OP_TABLE[op]
     public = getattr(ditops, op)
     implementation = spec.plan(arguments, None).implementation
-    function = implementation.function if device == "cpu" else getattr(reference, op)
+    function = implementation.kernel if device == "cpu" else getattr(reference, op)
     calls = {("ditops", implementation.name): lambda: public(**keywords)}
     if device == "cpu":
         calls["direct", implementation.name] = lambda: function(*arguments, *spec.outputs(*arguments))

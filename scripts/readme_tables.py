@@ -25,7 +25,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
 
 BENCH = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-26.json", "H200": RESULTS / "NVIDIA-H200_2026-11-26.json"}
-MODELS = {"H100": RESULTS / "models_H100_2026-11-25.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
+MODELS = {"H100": RESULTS / "models_H100_2026-11-26.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
 MULTIGPU = RESULTS / "multigpu_H100x2_2026-11-25.json"
 
 # The README's headline rows: per op, one real model shape (the `model` of a bench case).
