@@ -301,12 +301,6 @@ class InPlaceAliasing:
         """The check as a plan's per-call check (ops.Plan.check_values)."""
         self.check(pointers)
 
-    def spans(self) -> tuple:
-        """The spans as data, for dispatch/cached_call.c, which runs this check's common case
-        (nothing shared) in C and calls ``check`` for anything else: (q span, k span, row
-        window or None, ((index in the pointers, span), ...) of the tensors read)."""
-        return (self.q_span, self.k_span, self.row_window, tuple((index, span) for index, _, span in self.read_spans))
-
     def check(self, pointers: tuple) -> None:
         """``pointers``: the data pointers of q, of k (unless None), then of the tensors read
         that are not None, in the order of the ``read`` given at construction (anything after
