@@ -283,14 +283,12 @@ def public_function(op: Op) -> Callable:
     keyword = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
     if len(positional) + len(keyword) != len(names):
         raise ValueError(f"{op.name}: its signature takes *args or **kwargs; wanted named arguments only")
-    arguments = f"({', '.join(names)},)"
-    if op.in_place:
-        result = f"_op({arguments}, backend)\n    return {', '.join(op.spec.mutates)}"
+    call = f"_op(({', '.join(names)},), backend)"
+    if op.in_place:  # the op writes its arguments and returns them
+        body = f"    {call}\n    return {', '.join(op.spec.mutates)}\n"
     else:
-        result = f"_op({arguments}, backend)" + ("[0]" if len(op.spec.outputs) == 1 else "")
-    source = f"def {op.name}({', '.join(positional)}, *, {', '.join(keyword + ['backend'])}):\n    return {result}\n"
-    if op.in_place:
-        source = source.replace("    return _op(", "    _op(", 1)
+        body = f"    return {call}{'[0]' if len(op.spec.outputs) == 1 else ''}\n"
+    source = f"def {op.name}({', '.join(positional)}, *, {', '.join(keyword + ['backend'])}):\n{body}"
     namespace = {"_op": op}
     exec(source, namespace)  # noqa: S102 - source built above from the spec's argument names alone
     function = namespace[op.name]

@@ -697,6 +697,7 @@ def rope_(q: T, k: OT, cos_sin_cache: T, positions: OT = None, *, interleaved: b
 
 
 _ROW_CASES = {name: inputs for name, inputs in ROW_SPECS.items() if inputs.gate is not None}  # gate=None: residual op only
+_NORMS = dict(default_shape=(1, 4096, 3072), typical=_typical_rows("layer"))
 _SELECTS = dict(conformance=SELECT_SPECS, bench=_SELECT_BENCH, default_shape=(1, 8192, 3072), typical=_typical_rows("layer"))
 _GATE_NORMS = dict(conformance=GATE_NORM_SPECS, bench=_GATE_NORM_BENCH, default_shape=(1, 4096, 3840),
                    typical=_typical_rows("rms"))
@@ -705,7 +706,7 @@ SPECS = {
     spec.name: spec
     for spec in (
         OpSpec(norm_scale_shift, _check_norm_scale_shift, reference.norm_scale_shift, _norm_scale_shift_inputs,
-               outputs=("y",), conformance=_ROW_CASES, default_shape=(1, 4096, 3072), typical=_typical_rows("layer"),
+               outputs=("y",), conformance=_ROW_CASES, **_NORMS,
                bench=_NORM_BENCH + (
                    BenchShape("FLUX.2-dev 1024px", f"B1 S{_JOINT} D6144", _rows(1, _JOINT, 6144)),
                    BenchShape("Z-Image-Turbo (RMS)", f"B1 S{_JOINT} D3840", _rows(1, _JOINT, 3840, norm="rms", affine=True)),
@@ -713,8 +714,7 @@ SPECS = {
                )),
         OpSpec(residual_norm_scale_shift, _check_residual_norm_scale_shift, reference.residual_norm_scale_shift,
                _residual_norm_scale_shift_inputs, outputs=("y", "residual_out"), oracle=_residual_norm_scale_shift_oracle,
-               conformance=ROW_SPECS, bench=_NORM_BENCH + (_LATENCY_ROWS._replace(quick=True),),
-               default_shape=(1, 4096, 3072), typical=_typical_rows("layer")),
+               conformance=ROW_SPECS, bench=_NORM_BENCH + (_LATENCY_ROWS._replace(quick=True),), **_NORMS),
         OpSpec(norm_scale_shift_select, _check_norm_scale_shift_select, reference.norm_scale_shift_select,
                _norm_scale_shift_select_inputs, outputs=("y", "gate_out"), **_SELECTS),
         OpSpec(residual_norm_scale_shift_select, _check_residual_norm_scale_shift_select,
