@@ -5,16 +5,19 @@ The ops (docs/ops.md) dispatch to the best backend for their inputs; ``use_backe
 ``explain`` says what would run and why.
 """
 
-from .dispatch import BackendUnavailable, load_config, simulated_device, use_backend
+from .dispatch import BackendUnavailable, fp8_dtypes, load_config, simulated_device, use_backend
 from .ops import (
     Explanation,
     add_gate_norm,
     add_gate_norm_scale,
     explain,
     norm_scale_shift,
+    norm_scale_shift_fp8,
     norm_scale_shift_select,
     qk_norm_rope_,
+    quantize_fp8,
     residual_norm_scale_shift,
+    residual_norm_scale_shift_fp8,
     residual_norm_scale_shift_select,
     rope_,
 )
@@ -28,11 +31,15 @@ __all__ = [
     "add_gate_norm",
     "add_gate_norm_scale",
     "explain",
+    "fp8_dtypes",
     "load_config",
     "norm_scale_shift",
+    "norm_scale_shift_fp8",
     "norm_scale_shift_select",
     "qk_norm_rope_",
+    "quantize_fp8",
     "residual_norm_scale_shift",
+    "residual_norm_scale_shift_fp8",
     "residual_norm_scale_shift_select",
     "rope_",
     "rope_cos_sin_cache",

@@ -114,6 +114,42 @@ def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torc
     return None
 
 
+def compare_fp8(name: str, actual: torch.Tensor, expected: torch.Tensor) -> Optional[str]:
+    """None if FP8 values ``actual`` round the float64 ``expected`` (the values divided by their
+    scale, saturated) to within half a step of the format at each value, NaN exactly where
+    expected has NaN; else why not. The float32 arithmetic before the rounding may move a value
+    across a rounding boundary: 1e-5 of the format's range is allowed for it (float32's
+    tolerance, relative to the row's largest value, which maps to the range's end)."""
+    if actual.shape != expected.shape or actual.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        return f"{name}: got {list(actual.shape)} {actual.dtype}, wanted {list(expected.shape)} FP8"
+    if actual.numel() == 0:
+        return None
+    values = actual.to(torch.float64)
+    wrong_nan = values.isnan() != expected.isnan()
+    if wrong_nan.any():
+        return f"{name}: {int(wrong_nan.sum())} elements NaN in one of actual and reference but not the other"
+    info = torch.finfo(actual.dtype)
+    step = info.eps * torch.exp2(torch.floor(torch.log2(expected.abs().clamp_min(info.tiny))))
+    error = (values - expected).abs().nan_to_num(0.0)
+    off = error > 0.5 * step + 1e-5 * info.max
+    if off.any():
+        where = off.nonzero()[0].tolist()
+        return (f"{name}: {int(off.sum())} elements beyond half an FP8 step of the reference, first at {where}: "
+                f"{values[tuple(where)].item():.6g} vs {expected[tuple(where)].item():.6g}")
+    return None
+
+
+def _compare_results(op: str, actual: tuple, expected: tuple, dtype: torch.dtype) -> list:
+    """Every problem of a call's results against the oracle's: an FP8 output (an op spec's
+    ``quantized``) by compare_fp8, its scales as float32 values, the rest by compare."""
+    spec = SPECS[op]
+    checks = [compare] * len(actual)
+    if spec.quantized:
+        checks[:2] = (lambda name, a, e, _: compare_fp8(name, a, e)), (lambda name, a, e, _: compare(name, a, e, torch.float32))
+    return [problem for check, name, a, e in zip(checks, spec.result_names, actual, expected)
+            if (problem := check(name, a, e, dtype))]
+
+
 def implementations_of(op: str, backend: str) -> list:
     """The backend's enabled implementations of op, in registry order (a backend may have
     several, e.g. one preferred for a size class and a general one after another backend)."""
@@ -127,7 +163,9 @@ def _results(op: str, arguments: dict, outputs: tuple) -> tuple:
 
 
 def _bitwise_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
-    """Equal values, NaN where NaN (torch.equal alone calls NaN unequal)."""
+    """Equal values, NaN where NaN (torch.equal alone calls NaN unequal); FP8 bit for bit."""
+    if first.element_size() == 1 and first.is_floating_point():
+        return torch.equal(first.view(torch.uint8), second.view(torch.uint8))
     return torch.equal(first.isnan(), second.isnan()) and torch.equal(first.nan_to_num(), second.nan_to_num())
 
 
@@ -157,7 +195,7 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device="cpu", automat
         return Outcome("fail", f"raised {type(error).__name__}: {error}")
     actual = _results(op, arguments, outputs)
     names = SPECS[op].result_names
-    problems = [problem for name, a, e in zip(names, actual, expected) if (problem := compare(name, a, e, dtype))]
+    problems = _compare_results(op, actual, expected, dtype)
 
     calls = [(f"the public op with backend={backend!r}", {"backend": backend})]
     if automatic and features is not None and choose(op, features) is implementation:

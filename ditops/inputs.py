@@ -104,6 +104,10 @@ class RowSpec:
     select_form: str = "batch"  # select ops: the form of their six [B, D] modulation tensors ("batch" or "batch_view")
     gate_in_param_dtype: bool = False  # residual_norm_scale_shift_select: residual_gate in param_dtype, not x's dtype and layout
     set1_dtype: Optional[torch.dtype] = None  # select ops: set 1's modulation dtype where it differs from set 0's
+    fp8_dtype: Optional[torch.dtype] = None  # *_fp8 ops: the output format; None: the device's own (dispatch.fp8_dtypes)
+    static_scale: Optional[float] = None  # *_fp8 ops: one scale for every row (small: values saturate); None: per row
+    activation: Optional[str] = None  # quantize_fp8: applied before quantising ("gelu_tanh")
+    zero_rows: bool = False  # quantize_fp8: every other row of x all zeros (the dynamic scale's floor)
 
 
 @dataclass(frozen=True)

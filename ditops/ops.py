@@ -47,7 +47,7 @@ from .dispatch.registry import Implementation, declare_op
 from .dispatch.selector import candidates, choose, dispatcher, format_table, select, signature_key
 from .dispatch import selector
 from .dispatch.signature import data_pointers
-from .opspec import SPECS, OpSpec
+from .opspec import SPECS, OpSpec, fp8_format
 
 _is_compiling = torch.compiler.is_compiling
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
@@ -111,10 +111,17 @@ class Op:
         types = [str(argument.type) for argument in torch._C.parse_schema(self.name + self.schema).arguments[:-1]]
         self.scalars = operator.itemgetter(*[i for i, text in enumerate(types) if text not in ("Tensor", "Optional[Tensor]")])
         self._count = len(spec.outputs)
+        self._fp8_at = list(inspect.signature(spec.signature).parameters).index("fp8_dtype") if spec.quantized else None
 
-    def outputs(self, x, *_) -> tuple:
-        """The new tensors a kernel fills: contiguous, like the first argument (none for an in-place op)."""
-        return tuple(_new(x) for _ in range(self._count))
+    def outputs(self, x, *rest) -> tuple:
+        """The new tensors a kernel fills: contiguous, like the first argument (none for an in-place
+        op); an op with an FP8 output gives its FP8 rows and their float32 scales [..., 1] first."""
+        if self._fp8_at is None:
+            return tuple(_new(x) for _ in range(self._count))
+        fp8_dtype = fp8_format(x, rest[self._fp8_at - 1])
+        quantized = (_empty_like(x, dtype=fp8_dtype, memory_format=_contiguous),
+                     x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+        return quantized + tuple(_new(x) for _ in range(self._count - 2))
 
     def plan(self, arguments: tuple, backend: Optional[str]) -> Plan:
         return self._find(arguments, backend)[0]
@@ -247,7 +254,8 @@ class Op:
         torch.library.triton_op(f"ditops::{self.name}_traced", body, mutates_args=())
 
 
-_PYTHON_TYPES = {"Tensor": Tensor, "str": str, "float": float, "bool": bool, "SymInt": int, "int": int}
+_PYTHON_TYPES = {"Tensor": Tensor, "str": str, "float": float, "bool": bool, "SymInt": int, "int": int,
+                 "ScalarType": torch.dtype}
 
 
 def _python_signature(schema) -> inspect.Signature:
@@ -332,6 +340,9 @@ add_gate_norm = PUBLIC["add_gate_norm"]
 add_gate_norm_scale = PUBLIC["add_gate_norm_scale"]
 qk_norm_rope_ = PUBLIC["qk_norm_rope_"]
 rope_ = PUBLIC["rope_"]
+norm_scale_shift_fp8 = PUBLIC["norm_scale_shift_fp8"]
+residual_norm_scale_shift_fp8 = PUBLIC["residual_norm_scale_shift_fp8"]
+quantize_fp8 = PUBLIC["quantize_fp8"]
 
 
 def ordered_arguments(op: str, *args, **kwargs) -> tuple:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import validation
 from .backends import reference
-from .dispatch import Features, describe
+from .dispatch import Features, describe, device_of, fp8_dtypes
 from .inputs import HeadSpec, RowSpec, activation, is_meta, modulation, random, selection_index
 
 InputSpec = Union[RowSpec, HeadSpec]
@@ -60,6 +60,7 @@ class OpSpec:
     bench: tuple = ()  # BenchShape
     default_shape: tuple = ()  # ``ditops explain`` / ``example_arguments`` without a shape
     typical: Optional[Callable] = None  # (shape, param_dtype) -> the inputs of a DiT block's call at that shape
+    quantized: bool = False  # outputs[0]: FP8 rows in the fp8_dtype argument's format, outputs[1]: their float32 scales [..., 1]
 
     @property
     def name(self) -> str:
@@ -94,7 +95,8 @@ class OpSpec:
 
 _SCHEMA_TYPES = {
     Tensor: "Tensor", Optional[Tensor]: "Tensor?", str: "str", Optional[str]: "str?", float: "float",
-    bool: "bool", int: "SymInt", Optional[int]: "SymInt?",
+    bool: "bool", int: "SymInt", Optional[int]: "SymInt?", torch.dtype: "ScalarType",
+    Optional[torch.dtype]: "ScalarType?",
 }
 
 
@@ -113,32 +115,93 @@ def _norm_arguments(op, shape, device, weight, bias, norm, eps):
     validation.eps(op, eps)
 
 
-def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_call=True) -> Optional[Features]:
-    op = "norm_scale_shift"
+def fp8_format(x: Tensor, fp8_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The FP8 format of a call's output: ``fp8_dtype``, or where None the first format of x's
+    device (registry.yaml's fp8_formats; None where it has none)."""
+    if fp8_dtype is not None:
+        return fp8_dtype
+    return next(iter(fp8_dtypes(device_of(x.get_device()))), None)
+
+
+def _fp8_arguments(op, x, fp8_dtype, static_scale) -> tuple:
+    """The FP8 output's arguments: a format the device has (registry.yaml's fp8_formats), an
+    optional one-element float32 static scale. Returns static_scale as a tensor argument."""
+    device = device_of(x.get_device())
+    formats = fp8_dtypes(device)
+    if fp8_format(x, fp8_dtype) not in formats:
+        have = ", ".join(map(str, formats)) or "none (FP8 needs NVIDIA sm_89 or newer, or AMD gfx942 or gfx950)"
+        validation.fail(op, "fp8_dtype", f"is {fp8_dtype!r} on {device}", f"an FP8 format of that device: {have}")
+    if static_scale is not None:
+        validation.tensor(op, "static_scale", static_scale, (torch.float32, torch.float64), x.device)
+        if static_scale.numel() != 1:
+            validation.fail(op, "static_scale", f"has shape {list(static_scale.shape)}", "one element (a scalar tensor)")
+    return (static_scale,)
+
+
+def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, describe_call, extra=()) -> Optional[Features]:
     validation.tensor(op, "x", x)
     device = x.device
     shape = validation.rows(op, "x", x)
     forms = (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
+    extra = extra() if extra else ()
     if describe_call and x.numel():
-        return describe((x,), (scale, shift, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
-                        modulation=forms)
+        return describe((x,), (scale, shift, weight, bias, *extra), hidden_size=shape.hidden, batch_size=shape.batch,
+                        norm=norm, modulation=forms)
 
 
-def _check_residual_norm_scale_shift(
-    x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call=True
-) -> Optional[Features]:
-    op = "residual_norm_scale_shift"
+def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_call=True) -> Optional[Features]:
+    return _norm_scale_shift_features("norm_scale_shift", x, scale, shift, weight, bias, norm, eps, describe_call)
+
+
+def _check_norm_scale_shift_fp8(x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale,
+                                describe_call=True) -> Optional[Features]:
+    op = "norm_scale_shift_fp8"
+    return _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, describe_call,
+                                      lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
+
+
+def _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call,
+                                        extra=()) -> Optional[Features]:
     device = validation.activation_pair(op, "x", x, "residual", residual)
     shape = validation.rows(op, "x", x)
     gate_form = () if gate is None else (validation.modulation(op, "gate", gate, shape, device),)  # None: a gate of 1
     forms = gate_form + (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
+    extra = extra() if extra else ()
     if describe_call and x.numel():
         return describe(
-            (x, residual), (gate, scale, shift, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
-            modulation=forms,
+            (x, residual), (gate, scale, shift, weight, bias, *extra), hidden_size=shape.hidden, batch_size=shape.batch,
+            norm=norm, modulation=forms,
         )
+
+
+def _check_residual_norm_scale_shift(
+    x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call=True
+) -> Optional[Features]:
+    return _residual_norm_scale_shift_features("residual_norm_scale_shift", x, residual, gate, scale, shift, weight, bias,
+                                               norm, eps, describe_call)
+
+
+def _check_residual_norm_scale_shift_fp8(
+    x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, describe_call=True
+) -> Optional[Features]:
+    op = "residual_norm_scale_shift_fp8"
+    return _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call,
+                                               lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
+
+
+ACTIVATIONS = (None, "gelu_tanh")
+
+
+def _check_quantize_fp8(x, activation, fp8_dtype, static_scale, describe_call=True) -> Optional[Features]:
+    op = "quantize_fp8"
+    validation.tensor(op, "x", x)
+    shape = validation.rows(op, "x", x)
+    validation.choice(op, "activation", activation, ACTIVATIONS)
+    extra = _fp8_arguments(op, x, fp8_dtype, static_scale)
+    if describe_call and x.numel():
+        return describe((x,), extra, hidden_size=shape.hidden, batch_size=shape.batch)
 
 
 def _select_arguments(op, x, index, modulation, weight, bias, eps):
@@ -352,6 +415,26 @@ def _add_gate_norm_scale_inputs(spec: RowSpec, dtype, device, generator) -> dict
     return dict(arguments, scale=r.modulation(spec.scale), weight2=r.affine(), bias2=r.bias())
 
 
+def _fp8_options(spec: RowSpec, device) -> dict:
+    static = None if spec.static_scale is None else torch.tensor(spec.static_scale, dtype=torch.float32, device=device)
+    return dict(fp8_dtype=spec.fp8_dtype, static_scale=static)
+
+
+def _norm_scale_shift_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    return dict(_norm_scale_shift_inputs(spec, dtype, device, generator), **_fp8_options(spec, device))
+
+
+def _residual_norm_scale_shift_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    return dict(_residual_norm_scale_shift_inputs(spec, dtype, device, generator), **_fp8_options(spec, device))
+
+
+def _quantize_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    x = _Rows(spec, dtype, device, generator).x()
+    if spec.zero_rows and not is_meta(device):
+        x[..., ::2, :] = 0
+    return dict(x=x, activation=spec.activation, **_fp8_options(spec, device))
+
+
 def _rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
     head_size = spec.head_size
     if spec.layout == "qkv":
@@ -413,6 +496,13 @@ def _residual_norm_scale_shift_oracle(named: dict, results: tuple, dtype) -> tup
     y = reference.norm_scale_shift(_stored(residual_out, dtype), named["scale"], named["shift"], named["weight"],
                                    named["bias"], named["norm"], named["eps"])
     return y, residual_out
+
+
+def _residual_norm_scale_shift_fp8_oracle(named: dict, results: tuple, dtype) -> tuple:
+    residual_out = results[2]
+    arguments = {key: named[key] for key in ("scale", "shift", "weight", "bias", "norm", "eps", "fp8_dtype", "static_scale")}
+    y, y_scale = reference.norm_scale_shift_fp8(_stored(residual_out, dtype), **arguments)
+    return y, y_scale, residual_out
 
 
 def _residual_norm_scale_shift_select_oracle(named: dict, results: tuple, dtype) -> tuple:
@@ -559,6 +649,28 @@ HEAD_SPECS = {
 
 ROPE_ONLY_SPECS = {"k-none": HeadSpec((2, 5), 3, 3, 64, k_none=True)}
 
+# FP8 outputs: the bf16 ops' row cases that vary what the quantisation sees (widths, forms,
+# layouts, NaN/Inf), plus a static scale small enough that values saturate.
+FP8_ROW_SPECS = {
+    **{name: ROW_SPECS[name] for name in ("wan1.3b-fp32-mod", "hunyuan-chunked-mod", "flux2-rms", "odd-d1000-token-mod",
+                                          "wide-d8200", "per-frame", "strided-x", "misaligned", "two-d-x", "gate-none",
+                                          "nan-inf", "empty")},
+    "static-saturating": RowSpec(2, 6, 512, static_scale=2e-3),
+}
+
+QUANTIZE_SPECS = {
+    "flux-attention-out": RowSpec(1, 16, 3072),
+    "flux-mlp-gelu": RowSpec(1, 6, 12288, activation="gelu_tanh"),
+    "odd-d1000-gelu": RowSpec(2, 7, 1000, activation="gelu_tanh"),
+    "zero-rows": RowSpec(2, 6, 256, zero_rows=True),
+    "two-d-x": RowSpec(1, 11, 320, two_d=True),
+    "strided-x": RowSpec(2, 6, 512, layout="strided"),
+    "misaligned": RowSpec(1, 5, 200, layout="misaligned", activation="gelu_tanh"),
+    "nan-inf": RowSpec(2, 4, 96, special_values=True),
+    "static-saturating": RowSpec(2, 6, 512, static_scale=2e-3),
+    "empty": RowSpec(2, 0, 256),
+}
+
 
 
 
@@ -696,11 +808,71 @@ def rope_(q: T, k: OT, cos_sin_cache: T, positions: OT = None, *, interleaved: b
     """
 
 
+def norm_scale_shift_fp8(x: T, scale: T, shift: T, *, weight: OT = None, bias: OT = None, norm: str = "layer",
+                         eps: float = 1e-6, fp8_dtype: Optional[torch.dtype] = None, static_scale: OT = None) -> tuple:
+    """``norm_scale_shift`` with its y quantised for an FP8 GEMM, in the same pass.
+
+    Returns (y, y_scale): y FP8 (fp8_dtype; None: the device's format, dispatch.fp8_dtypes)
+    shaped like x, y_scale float32 [..., 1] (x's leading dims), y * y_scale ~ norm(x) * (1 +
+    scale) + shift. Per row: y_scale = max(amax, 1e-12) / the format's max, so an all-zero row
+    has a tiny scale and zero values, and a row holding NaN or Inf gives NaN (scale and values);
+    with ``static_scale`` (a one-element float32 tensor) every row takes that scale and values
+    beyond the format's range saturate. See docs/ops.md.
+
+    >>> import torch, ditops
+    >>> x, modulation = torch.randn(2, 16, 64, dtype=torch.bfloat16), torch.randn(2, 6, 64)
+    >>> y, y_scale = ditops.norm_scale_shift_fp8(x, modulation[:, 1], modulation[:, 0], fp8_dtype=torch.float8_e4m3fn)
+    >>> y.dtype, y_scale.shape
+    (torch.float8_e4m3fn, torch.Size([2, 16, 1]))
+    """
+
+
+def residual_norm_scale_shift_fp8(x: T, residual: T, gate: OT, scale: T, shift: T, *, weight: OT = None,
+                                  bias: OT = None, norm: str = "layer", eps: float = 1e-6,
+                                  fp8_dtype: Optional[torch.dtype] = None, static_scale: OT = None) -> tuple:
+    """``residual_norm_scale_shift`` with its y quantised as ``norm_scale_shift_fp8`` does.
+
+    Returns (y, y_scale, residual_out); residual_out is stored in x.dtype and y normalises it as stored.
+
+    >>> import torch, ditops
+    >>> attention, residual = torch.randn(2, 2, 16, 64)
+    >>> gate, scale, shift = torch.randn(3, 2, 64)
+    >>> y, y_scale, residual = ditops.residual_norm_scale_shift_fp8(attention, residual, gate, scale, shift)
+    >>> y.dtype, residual.dtype
+    (torch.float8_e4m3fn, torch.float32)
+    """
+
+
+def quantize_fp8(x: T, *, activation: Optional[str] = None, fp8_dtype: Optional[torch.dtype] = None,
+                 static_scale: OT = None) -> tuple:
+    """Rows of x, after ``activation`` (None or "gelu_tanh", diffusers' GELU(approximate="tanh")),
+    quantised for an FP8 GEMM in one pass: returns (y, y_scale) as ``norm_scale_shift_fp8`` does.
+
+    >>> import torch, ditops
+    >>> hidden = torch.randn(8, 256, dtype=torch.bfloat16)  # an MLP's up-projection output
+    >>> y, y_scale = ditops.quantize_fp8(hidden, activation="gelu_tanh")
+    >>> y.shape, y_scale.shape
+    (torch.Size([8, 256]), torch.Size([8, 1]))
+    """
+
+
 _ROW_CASES = {name: inputs for name, inputs in ROW_SPECS.items() if inputs.gate is not None}  # gate=None: residual op only
 _NORMS = dict(default_shape=(1, 4096, 3072), typical=_typical_rows("layer"))
 _SELECTS = dict(conformance=SELECT_SPECS, bench=_SELECT_BENCH, default_shape=(1, 8192, 3072), typical=_typical_rows("layer"))
 _GATE_NORMS = dict(conformance=GATE_NORM_SPECS, bench=_GATE_NORM_BENCH, default_shape=(1, 4096, 3840),
                    typical=_typical_rows("rms"))
+
+_FLUX_ROWS = BenchShape("FLUX.1-dev 1024px", f"B1 S{_JOINT} D3072", _rows(1, _JOINT, 3072))
+_FP8_NORM_BENCH = (_FLUX_ROWS,) + _NORM_BENCH + (_LATENCY_ROWS._replace(quick=True),)
+_FP8 = dict(quantized=True, conformance=FP8_ROW_SPECS, bench=_FP8_NORM_BENCH, **_NORMS)
+_QUANTIZE_BENCH = (
+    BenchShape("FLUX.1-dev 1024px MLP (GELU)", f"B1 S{_JOINT} D12288",
+               dataclasses.replace(_rows(1, _JOINT, 12288), activation="gelu_tanh"), quick=True),
+    BenchShape("FLUX.1-dev 1024px attention out", f"B1 S{_JOINT} D3072", _rows(1, _JOINT, 3072)),
+    BenchShape("Wan2.1-14B 720p MLP (GELU)", "B1 S75600 D13824", dataclasses.replace(_rows(1, 75600, 13824),
+                                                                                     activation="gelu_tanh")),
+    BenchShape("latency", "B1 S128 D3072", _rows(1, 128, 3072), quick=True),
+)
 
 SPECS = {
     spec.name: spec
@@ -715,6 +887,14 @@ SPECS = {
         OpSpec(residual_norm_scale_shift, _check_residual_norm_scale_shift, reference.residual_norm_scale_shift,
                _residual_norm_scale_shift_inputs, outputs=("y", "residual_out"), oracle=_residual_norm_scale_shift_oracle,
                conformance=ROW_SPECS, bench=_NORM_BENCH + (_LATENCY_ROWS._replace(quick=True),), **_NORMS),
+        OpSpec(norm_scale_shift_fp8, _check_norm_scale_shift_fp8, reference.norm_scale_shift_fp8,
+               _norm_scale_shift_fp8_inputs, outputs=("y", "y_scale"), **_FP8),
+        OpSpec(residual_norm_scale_shift_fp8, _check_residual_norm_scale_shift_fp8, reference.residual_norm_scale_shift_fp8,
+               _residual_norm_scale_shift_fp8_inputs, outputs=("y", "y_scale", "residual_out"),
+               oracle=_residual_norm_scale_shift_fp8_oracle, **_FP8),
+        OpSpec(quantize_fp8, _check_quantize_fp8, reference.quantize_fp8, _quantize_fp8_inputs, outputs=("y", "y_scale"),
+               quantized=True, conformance=QUANTIZE_SPECS, bench=_QUANTIZE_BENCH, default_shape=(1, 4608, 12288),
+               typical=_typical_rows("layer")),
         OpSpec(norm_scale_shift_select, _check_norm_scale_shift_select, reference.norm_scale_shift_select,
                _norm_scale_shift_select_inputs, outputs=("y", "gate_out"), **_SELECTS),
         OpSpec(residual_norm_scale_shift_select, _check_residual_norm_scale_shift_select,

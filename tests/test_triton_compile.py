@@ -27,10 +27,12 @@ from triton.backends.compiler import GPUTarget
 import ditops.backends.triton as triton_backend
 from ditops import conformance
 from ditops.backends.triton import launch
-from ditops.dispatch import simulated_device
+from ditops.dispatch import current_device, fp8_dtypes, simulated_device
 from ditops.ops import OPS, ordered_arguments
+from ditops.opspec import SPECS
 
-KERNELS = ("modulated_norm_kernel", "selected_modulation_norm_kernel", "gated_add_norm_kernel", "rotary_kernel")
+KERNELS = ("modulated_norm_kernel", "selected_modulation_norm_kernel", "gated_add_norm_kernel", "rotary_kernel",
+           "row_quantize_kernel")
 TARGETS = {
     "sm_80": (GPUTarget("cuda", 80, 32), "cuda", "cubin"),
     "sm_90": (GPUTarget("cuda", 90, 32), "cuda", "cubin"),
@@ -38,7 +40,6 @@ TARGETS = {
     "gfx942": (GPUTarget("hip", "gfx942", 64), "rocm", "hsaco"),
     "gfx950": (GPUTarget("hip", "gfx950", 64), "rocm", "hsaco"),
 }
-SIMULATED = {"cuda": "sm_90", "rocm": "gfx942"}
 POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.float16: "*fp16",
@@ -47,6 +48,8 @@ POINTER_TYPES = {
     torch.int32: "*i32",
     torch.bool: "*i1",
     torch.uint8: "*u8",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float8_e4m3fnuz: "*fp8e4b8",
 }
 
 
@@ -94,9 +97,11 @@ def launch_table(**changes):
 
 def _launch_every_case(dtypes=conformance.DTYPES, ops=OPS, device="cpu"):
     """Runs the backend's op function on each conformance case of ops in each dtype; yields
-    (case, dtype, the tensors it wrote: its outputs, or q and k for the in-place RoPE ops)."""
+    (case, dtype, the tensors it wrote: its outputs, or q and k for the in-place RoPE ops).
+    The FP8 ops' cases run where the device has an FP8 format (their check refuses the others)."""
+    has_fp8 = bool(fp8_dtypes(current_device()))
     for case in conformance.CASES:
-        if case.op not in ops:
+        if case.op not in ops or (SPECS[case.op].quantized and not has_fp8):
             continue
         for dtype in dtypes:
             arguments, _ = ordered_arguments(case.op, **case.arguments(dtype, device))
@@ -128,13 +133,15 @@ def row_loop_everywhere(programs_per_sm: int, stages: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def specializations(vendor: str) -> tuple:
+def specializations(arch: str) -> tuple:
+    """The specializations the launch code gives every conformance case on a simulated ``arch``."""
     found: set = set()
     originals = {name: getattr(triton_backend, name) for name in KERNELS}
     try:
         for name, kernel in originals.items():
             setattr(triton_backend, name, _Recorder(kernel, found))
-        with simulated_device(SIMULATED[vendor]):
+        vendor = "cuda" if arch.startswith("sm_") else "rocm"
+        with simulated_device(arch):
             # as tabled; with the long calls' launches (conformance cases are all short calls);
             # with a row loop (pipelined, modulation hoisted) on every row kernel, where the
             # vendor's launch table has row loops (NVIDIA; AMD has none)
@@ -150,11 +157,11 @@ def specializations(vendor: str) -> tuple:
 
 
 def test_every_kernel_and_option_is_exercised():
-    found = specializations("cuda")
+    found = specializations("sm_90")
     assert {kernel for kernel, *_ in found} == set(KERNELS)
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
-                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT"):
+                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT", "QUANT", "HAS_STATIC_SCALE", "GELU"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
@@ -177,14 +184,14 @@ def _compile_ahead_of_time(target_name: str, found) -> None:
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("target_name", TARGETS)
 def test_ahead_of_time_compile(target_name):
-    _compile_ahead_of_time(target_name, specializations(TARGETS[target_name][1]))
+    _compile_ahead_of_time(target_name, specializations(target_name))
 
 
 def test_each_kernel_compiles_ahead_of_time():
     """The default run's smoke compile: one specialization of each kernel for sm_90, so that a
     Triton that cannot compile one of them fails here too."""
     first = {}
-    for specialization in specializations("cuda"):
+    for specialization in specializations("sm_90"):
         first.setdefault(specialization[0], specialization)
     assert set(first) == set(KERNELS)
     _compile_ahead_of_time("sm_90", first.values())
@@ -196,7 +203,7 @@ def test_float64_eps_is_computed_in_float32():
     reached the normalisation, every value after it was float64 and the kernel ran 1.5x
     slower inside compiled graphs (H100, 2026-11-25). Compiled here with eps typed float64."""
     work = []
-    for kernel, signature, constants, num_warps in specializations("cuda"):
+    for kernel, signature, constants, num_warps in specializations("sm_90"):
         signature = dict(signature)
         if "eps" in signature and kernel not in {item["kernel"] for item in work} and dict(constants).get("NORM", True):
             work.append(dict(kernel=kernel, signature=dict(signature, eps="fp64"), constants=dict(constants), num_warps=num_warps))

@@ -16,6 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..dispatch import fp8_dtypes
+
 
 def _per_token(t: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
     """[B, D] modulation broadcast over tokens as models write it: t[:, None]; 3-D stays."""
@@ -105,11 +107,42 @@ def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache, positions=None, inter
     return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
 
 
+def _quantize(v, fp8_dtype, static_scale):
+    """Rowwise FP8 as torchao's dynamic per-row activation quantisation writes it: the row's
+    amax in the activations' dtype, a float32 scale, the values divided, clamped and cast."""
+    fp8_dtype = fp8_dtype or fp8_dtypes(v.device)[0]
+    fmax = torch.finfo(fp8_dtype).max
+    if static_scale is None:
+        scale = v.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / fmax
+    else:
+        scale = static_scale.float().reshape(1).expand(*v.shape[:-1], 1)
+    return (v.float() / scale).clamp(-fmax, fmax).to(fp8_dtype), scale
+
+
+def norm_scale_shift_fp8(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, fp8_dtype=None,
+                         static_scale=None):
+    return _quantize(norm_scale_shift(x, scale, shift, weight, bias, norm, eps), fp8_dtype, static_scale)
+
+
+def residual_norm_scale_shift_fp8(x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
+                                  fp8_dtype=None, static_scale=None):
+    y, residual_out = residual_norm_scale_shift(x, residual, gate, scale, shift, weight, bias, norm, eps)
+    return (*_quantize(y, fp8_dtype, static_scale), residual_out)
+
+
+def quantize_fp8(x, activation=None, fp8_dtype=None, static_scale=None):
+    v = F.gelu(x, approximate="tanh") if activation == "gelu_tanh" else x
+    return _quantize(v, fp8_dtype, static_scale)
+
+
 EAGER = {
     function.__name__: function
     for function in (
         norm_scale_shift,
         residual_norm_scale_shift,
+        norm_scale_shift_fp8,
+        residual_norm_scale_shift_fp8,
+        quantize_fp8,
         norm_scale_shift_select,
         residual_norm_scale_shift_select,
         add_gate_norm,

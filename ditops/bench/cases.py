@@ -1,7 +1,7 @@
 """The benchmark cases: each op spec's ``bench`` inputs (ditops/opspec.py: the real shapes
 of docs/ops.md, laid out as the models pass them, plus a small latency case), and the CPU run's
 stand-ins. ``minimum_bytes`` counts the fewest bytes an op must move: each distinct input
-element read once, each output written once.
+element read once, each output written once (an FP8 output: a byte per value, 4 per row's scale).
 """
 
 from __future__ import annotations
@@ -77,4 +77,7 @@ def minimum_bytes(op: str, arguments: dict) -> int:
     tensors = {id(value): value for value in arguments.values() if isinstance(value, torch.Tensor)}  # one tensor passed twice
     inputs = sum(_distinct_bytes(value) for value in tensors.values())  # (weight2 = weight) is read once
     first = next(value for value in arguments.values() if isinstance(value, torch.Tensor))  # outputs are shaped like it
-    return inputs + len(SPECS[op].outputs) * first.numel() * first.element_size()
+    outputs = len(SPECS[op].outputs) * first.numel() * first.element_size()
+    if SPECS[op].quantized:  # one byte per value and a float32 scale per row in place of the first output
+        outputs += first.numel() * (1 - first.element_size()) + first.numel() // max(first.shape[-1], 1) * 4
+    return inputs + outputs

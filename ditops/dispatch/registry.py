@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
+import torch
 import yaml
 
 from . import constraints as constraint_checks
@@ -80,7 +81,7 @@ def declare_op(name: str, reference: Callable) -> None:
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _BACKEND_KEYS = ("module", "description", "available", "constraints")
-_TOP_LEVEL_KEYS = ("backends", "ops", "prefer", "disable", "preferences")
+_TOP_LEVEL_KEYS = ("backends", "ops", "prefer", "disable", "preferences", "fp8_formats")
 _EVIDENCE_KEYS = ("file", "model", "shape", "dtype", "backends")
 _RESULTS_FILE = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*\.json\Z")
 
@@ -195,6 +196,7 @@ class Registry:
         self.entries: dict = {op: [] for op in OPS}  # op -> list of (backend name, entry mapping); none: the reference alone
         self.disabled: set = set()  # (op or "*", backend name)
         self.preferences: dict = {op: [] for op in OPS}  # op -> list of Preference, first match wins
+        self.fp8_formats: dict = {}  # "sm_89" (that sm and newer) or an AMD arch -> its FP8 torch dtypes
         self.sources: list = []
 
     def load(self, path) -> None:
@@ -223,8 +225,33 @@ class Registry:
             self.preferences[op] = [self._preference(rule, where, f"preferences.{op}[{i}]") for i, rule in enumerate(rules)]
         for position, item in enumerate(_field(document, "disable", list, where)):
             self._disable(item, where, f"disable[{position}]")
+        for device, names in _field(document, "fp8_formats", dict, where).items():
+            self.fp8_formats[device] = self._fp8_dtypes(device, names, where)
         self._check_modules(where)
         self.sources.append(where)
+
+    @staticmethod
+    def _fp8_dtypes(device, names, where: str) -> tuple:
+        at = f"fp8_formats.{device}"
+        if not re.fullmatch(r"sm_\d+|gfx[0-9a-f]+", device):
+            raise ValueError(f"{where}: {at}: the key {shown(device)}; wanted sm_<number> or an AMD gfx arch")
+        _expect(names, list, where, at, "a list of FP8 dtype names")
+        dtypes = tuple(getattr(torch, name, None) if isinstance(name, str) else None for name in names)
+        if not all(isinstance(dtype, torch.dtype) and dtype.itemsize == 1 and dtype.is_floating_point for dtype in dtypes):
+            raise ValueError(f"{where}: {at}: got {shown(names)}; wanted FP8 torch dtype names (float8_e4m3fn, ...)")
+        return dtypes
+
+    def fp8_dtypes_of(self, device: DeviceInfo) -> tuple:
+        """The FP8 formats ``device`` converts to and multiplies in: an NVIDIA GPU those of the
+        newest ``sm_N`` entry at or below its sm, an AMD GPU its arch's; the CPU every one
+        (the reference backend computes them)."""
+        if not device.is_gpu:
+            return tuple(dict.fromkeys(dtype for dtypes in self.fp8_formats.values() for dtype in dtypes))
+        if device.vendor == "rocm":
+            return self.fp8_formats.get(device.arch, ())
+        eligible = [(int(key[3:]), dtypes) for key, dtypes in self.fp8_formats.items()
+                    if key.startswith("sm_") and int(key[3:]) <= device.sm]
+        return max(eligible)[1] if eligible else ()
 
     def _known_backend(self, name, where: str, at: str) -> None:
         if not isinstance(name, str) or name not in self.backends:

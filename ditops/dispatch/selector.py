@@ -175,6 +175,13 @@ def device_refusal(backend: str, device: device_module.DeviceInfo) -> Optional[s
     return "; ".join(dict.fromkeys(reasons)) or "no op has an enabled implementation of it"
 
 
+def fp8_dtypes(device) -> tuple:
+    """The FP8 formats of ``device`` (a DeviceInfo, torch.device or string), first the one its
+    hardware prefers (registry.yaml's ``fp8_formats``); empty where it has none."""
+    info = device if isinstance(device, device_module.DeviceInfo) else device_module.device_info(device)
+    return dispatcher().registry.fp8_dtypes_of(info)
+
+
 def signature_key(op: str, scalars: Callable, arguments: tuple, backend: Optional[str]) -> tuple:
     """The half of a call's signature read in Python (signature.py holds the other half, the
     tensors' metadata, checked per plan): the op, the override in force, grad mode, the

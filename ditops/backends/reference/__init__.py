@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ...dispatch import fp8_dtypes
+
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -104,6 +106,74 @@ def residual_norm_scale_shift(
     summed = _store(_gated_sum(residual, gate, x.to(compute), compute), residual_out, x)
     n = _normalize(summed.to(compute), weight, bias, norm, eps)
     return _store(_modulate(n, scale, shift, x), y, x), summed
+
+
+SCALE_FLOOR = 1e-12  # the smallest row amax a dynamic scale divides by: an all-zero row gets 1e-12 / fmax
+
+
+def _quantize_rows(v: Tensor, fp8_dtype: torch.dtype, static_scale: Optional[Tensor], y: Optional[Tensor],
+                   y_scale: Optional[Tensor]) -> tuple:
+    """Rows of v (the compute dtype) as FP8 values and their float32 scales, v ~= y * y_scale.
+
+    Dynamic (``static_scale`` None): y_scale = max(amax(|row|), SCALE_FLOOR) / fmax, fmax the
+    format's largest finite value, so the row's largest value maps to +-fmax; a row holding NaN
+    or +-Inf gets a NaN scale and NaN values (the bf16 ops give such a row as NaN too). Static:
+    y_scale is static_scale for every row and values beyond +-fmax saturate (NaN stays NaN).
+    The scale is stored in float32 and the values are divided by the scale as stored.
+    fp8_dtype None: y's dtype, or the first FP8 format of v's device."""
+    if y is not None:
+        fp8_dtype = y.dtype
+    elif fp8_dtype is None:
+        fp8_dtype = fp8_dtypes(v.device if v.device.type != "meta" else "cpu")[0]
+    fmax = torch.finfo(fp8_dtype).max
+    if static_scale is None:
+        amax = v.abs().amax(-1, keepdim=True)
+        scale = torch.where(amax.isfinite(), amax.clamp_min(SCALE_FLOOR) / fmax, torch.nan)
+    else:
+        scale = static_scale.to(v.dtype).reshape(()).expand(*v.shape[:-1], 1)
+    scale = scale.to(torch.float32).to(v.dtype)  # as stored: the values are quantised against the stored scale
+    scaled = v / scale
+    scaled = torch.where(scaled > fmax, fmax, torch.where(scaled < -fmax, -fmax, scaled))  # NaN stays NaN
+    quantized = scaled.to(fp8_dtype) if v.dtype != torch.float64 else scaled  # float64: the oracle keeps v / scale
+    if y is not None:
+        y.copy_(quantized)
+        y_scale.copy_(scale)
+        return y, y_scale
+    return quantized, scale if v.dtype == torch.float64 else scale.to(torch.float32)
+
+
+def norm_scale_shift_fp8(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
+                         fp8_dtype=torch.float8_e4m3fn, static_scale=None, y=None, y_scale=None):
+    """norm_scale_shift's y as FP8 rows and their float32 scales [..., 1] (_quantize_rows),
+    from the float32 values before any rounding. Returns (y, y_scale)."""
+    compute = _compute_dtype(x)
+    n = _normalize(x.to(compute), weight, bias, norm, eps)
+    return _quantize_rows(_modulate(n, scale, shift, x), fp8_dtype, static_scale, y, y_scale)
+
+
+def residual_norm_scale_shift_fp8(x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
+                                  fp8_dtype=torch.float8_e4m3fn, static_scale=None, y=None, y_scale=None,
+                                  residual_out=None):
+    """residual_norm_scale_shift with y as FP8 rows and their scales. Returns (y, y_scale, residual_out)."""
+    compute = _compute_dtype(x)
+    summed = _store(_gated_sum(residual, gate, x.to(compute), compute), residual_out, x)
+    n = _normalize(summed.to(compute), weight, bias, norm, eps)
+    quantized, row_scale = _quantize_rows(_modulate(n, scale, shift, x), fp8_dtype, static_scale, y, y_scale)
+    return quantized, row_scale, summed
+
+
+def gelu_tanh(v: Tensor) -> Tensor:
+    """GELU, tanh approximation (diffusers' ``GELU(approximate="tanh")``), in v's dtype."""
+    return 0.5 * v * (1 + torch.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+
+
+def quantize_fp8(x, activation=None, fp8_dtype=torch.float8_e4m3fn, static_scale=None, y=None, y_scale=None):
+    """Rows of x, after ``activation`` (None or "gelu_tanh"), as FP8 rows and their float32
+    scales (_quantize_rows). Returns (y, y_scale)."""
+    v = x.to(_compute_dtype(x))
+    if activation == "gelu_tanh":
+        v = gelu_tanh(v)
+    return _quantize_rows(v, fp8_dtype, static_scale, y, y_scale)
 
 
 def _select(index: Tensor, set0: Tensor, set1: Tensor, dtype: torch.dtype) -> Tensor:

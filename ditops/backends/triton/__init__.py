@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ...dispatch.device import DeviceInfo
 from ...dispatch.contract import Kernel
 from ..views import modulation, rows_of, tokens_of
@@ -19,6 +21,7 @@ from .kernel_launch import KernelLaunch, bind, run, trace
 from .launch import rotary_launch, row_grid, row_launch, settings_of
 from .modulated_norm import modulated_norm_kernel
 from .rotary import rotary_kernel
+from .row_quantize import row_quantize_kernel
 from .selected_modulation_norm import selected_modulation_norm_kernel
 
 
@@ -35,7 +38,13 @@ def _invariant(*modulations: tuple) -> bool:
     return all(group_stride == 0 for _, _, group_stride, _, _ in modulations)
 
 
-def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+def _fp8_max(y_scale, y) -> float:
+    """The FP8 output's largest finite value; 0.0 where the output is not FP8 (no y_scale)."""
+    return float(torch.finfo(y.dtype).max) if y_scale is not None else 0.0
+
+
+def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale=None,
+                    static_scale=None):
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
     table = "modulated_norm" if residual is None else "residual_norm"  # the launch table's entry
@@ -46,9 +55,10 @@ def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y,
         x, shape.batch_stride, shape.token_stride,
         residual, residual_rows.batch_stride, residual_rows.token_stride,
         *modulations[0], *modulations[1], *modulations[2],
-        weight, bias, y, residual_out,
+        weight, bias, y, residual_out, y_scale, static_scale,
         shape.tokens, shape.hidden, eps,
     ), dict(
+        QUANT=y_scale is not None, HAS_STATIC_SCALE=static_scale is not None, FP8_MAX=_fp8_max(y_scale, y),
         RMS=norm == "rms", HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
@@ -62,6 +72,27 @@ def norm_scale_shift_launch(x, scale, shift, weight, bias, norm, eps, y):
 
 def residual_norm_scale_shift_launch(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
     return _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
+
+
+def norm_scale_shift_fp8_launch(x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, y, y_scale):
+    return _modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None, y_scale, static_scale)
+
+
+def residual_norm_scale_shift_fp8_launch(x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype,
+                                         static_scale, y, y_scale, residual_out):
+    return _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale,
+                           static_scale)
+
+
+def quantize_fp8_launch(x, activation, fp8_dtype, static_scale, y, y_scale):
+    shape = rows_of(x)
+    launch = row_launch("row_quantize", shape.batch * shape.tokens, shape.hidden, settings_of(x))
+    return KernelLaunch(row_quantize_kernel, (-(-shape.tokens // launch.rows_per_program), shape.batch), (
+        x, shape.batch_stride, shape.token_stride, y, y_scale, static_scale, shape.tokens, shape.hidden,
+    ), dict(
+        GELU=activation == "gelu_tanh", HAS_STATIC_SCALE=static_scale is not None, FP8_MAX=_fp8_max(y_scale, y),
+        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+    ))
 
 
 def _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out):
@@ -188,3 +219,6 @@ add_gate_norm = _kernel(add_gate_norm_launch)
 add_gate_norm_scale = _kernel(add_gate_norm_scale_launch)
 qk_norm_rope_ = _kernel(qk_norm_rope__launch)
 rope_ = _kernel(rope__launch)
+norm_scale_shift_fp8 = _kernel(norm_scale_shift_fp8_launch)
+residual_norm_scale_shift_fp8 = _kernel(residual_norm_scale_shift_fp8_launch)
+quantize_fp8 = _kernel(quantize_fp8_launch)

@@ -1,5 +1,5 @@
 """y = norm(v) * (1 + scale) + shift, where v = x, or v = residual + gate * x stored first as
-residual_out (ops 1 and 2). A program normalises blocks of ROWS_PER_PROGRAM rows held in
+residual_out (ops 1 and 2); with QUANT, y as FP8 rows and their scales (their _fp8 forms). A program normalises blocks of ROWS_PER_PROGRAM rows held in
 registers as a head and a tail tile (row_math.py): every element is read once and written
 once. With EARLY_LOADS every load of both tiles comes before the first store; with HOIST (a
 row loop, launch.row_grid) gate, scale and shift are loaded once, before the loop over blocks
@@ -8,7 +8,7 @@ row loop, launch.row_grid) gate, scale and shift are loaded once, before the loo
 import triton
 import triton.language as tl
 
-from .row_math import columns, fold_affine, load_modulation, load_rows, normalize, row_tile, store_rows
+from .row_math import columns, fold_affine, load_modulation, load_rows, normalize, row_tile, store_quantized, store_rows
 
 
 @triton.jit
@@ -42,8 +42,9 @@ def modulated_norm_kernel(
     gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
     scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
     shift, shift_batch_stride, shift_group_stride, shift_group_size, SHIFT_DIM_STRIDE: tl.constexpr,
-    weight, bias, y, residual_out,
+    weight, bias, y, residual_out, y_scale, static_scale,
     tokens, hidden, eps,
+    QUANT: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr, FP8_MAX: tl.constexpr,
     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
@@ -99,9 +100,15 @@ def modulated_norm_kernel(
             m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
                           SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
                           SHIFT_DIM_STRIDE, batch, token, head, head_mask, HAS_WEIGHT, HAS_BIAS)
-        store_rows(y, row, hidden, v * m + a, head, head_mask)
+        out = v * m + a
+        if not QUANT:
+            store_rows(y, row, hidden, out, head, head_mask)
         if not (EARLY_LOADS or HOIST):
             m_tail, a_tail = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
                                     SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
                                     SHIFT_DIM_STRIDE, batch, token, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
-        store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)
+        if QUANT:  # the row's amax needs both tiles before either is stored
+            store_quantized(y, y_scale, static_scale, row, hidden, out, v_tail * m_tail + a_tail, head, head_mask, tail,
+                            tail_mask, FP8_MAX, HAS_STATIC_SCALE)
+        else:
+            store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)

@@ -1,0 +1,34 @@
+"""y, y_scale = FP8 rows of act(x) and their scales (op quantize_fp8): a program holds blocks
+of ROWS_PER_PROGRAM rows in registers as a head and a tail tile (row_math.py), applies the
+activation, and stores each row quantised against its amax (row_math.store_quantized): x is
+read once, y and one scale per row written once."""
+
+import triton
+import triton.language as tl
+
+from .row_math import load_rows, row_tile, store_quantized
+
+
+@triton.jit
+def _gelu_tanh(v):
+    """0.5 v (1 + tanh(z)) = v * sigmoid(2 z), z = sqrt(2 / pi) (v + 0.044715 v^3): tanh has no
+    portable Triton primitive, sigmoid does."""
+    return v * tl.sigmoid(1.5957691216057308 * (v + 0.044715 * v * v * v))
+
+
+@triton.jit
+def row_quantize_kernel(
+    x, x_batch_stride, x_token_stride, y, y_scale, static_scale, tokens, hidden,
+    GELU: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+):
+    batch = tl.program_id(1).to(tl.int64)
+    head, head_mask, tail, tail_mask, row, token = row_tile(tl.program_id(0), batch, tokens, hidden, BLOCK, TAIL,
+                                                            ROWS_PER_PROGRAM)
+    v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
+    v_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
+    if GELU:
+        v = _gelu_tanh(v)
+        v_tail = _gelu_tanh(v_tail)
+    store_quantized(y, y_scale, static_scale, row, hidden, v, v_tail, head, head_mask, tail, tail_mask, FP8_MAX,
+                    HAS_STATIC_SCALE)
