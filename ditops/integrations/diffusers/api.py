@@ -4,8 +4,11 @@ bookkeeping that lets ``remove`` undo exactly what ``apply`` did."""
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
+
+from ...fp8 import check_device
 
 from . import flux, qwen_image, wan, z_image
 from .report import Report
@@ -16,9 +19,20 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
              "QwenImageTransformer2DModel": qwen_image.patch, "ZImageTransformer2DModel": z_image.patch}
 
 
-def apply(model: torch.nn.Module) -> Report:
+_FP8_PATCHERS = {flux.patch}  # the families whose norm -> projection chains run FP8 with quantize="fp8"
+QUANTIZE = (None, "fp8")
+
+
+def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
     """Replaces what ditops covers in ``model``; returns what was replaced and what was skipped.
-    ``apply`` on a model that is already patched changes nothing and returns the first report."""
+    ``apply`` on a model that is already patched changes nothing and returns the first report.
+
+    ``quantize="fp8"``: the Linears that the ops feed run as FP8 GEMMs (quantize.py: the FP8
+    weights stay on the model's device, the bf16 Linears wait in host memory for ``remove``);
+    the report lists every Linear and how it runs. A ValueError where the model's device has
+    no FP8 GEMM or its family has no FP8 path."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"apply: quantize is {quantize!r}; wanted one of {', '.join(map(repr, QUANTIZE))}")
     if getattr(model, "_ditops_patches", None) is not None:
         return model._ditops_report
     import diffusers
@@ -29,8 +43,14 @@ def apply(model: torch.nn.Module) -> Report:
     patcher = _PATCHERS.get(name)
     if patcher is None:
         return _untouched(model, f"{name}: not a supported model ({', '.join(_PATCHERS)})")
+    options = {}
+    if quantize == "fp8":
+        if patcher not in _FP8_PATCHERS:
+            raise ValueError(f"apply: quantize='fp8' is not supported for {name} yet; it runs FP8 on "
+                             f"{', '.join(n for n, p in _PATCHERS.items() if p in _FP8_PATCHERS)}")
+        options["fp8_dtype"] = check_device(next(model.parameters()).device)
     patches, report = [], Report()
-    patcher(model, patches, report)
+    patcher(model, patches, report, **options)
     model._ditops_patches, model._ditops_report = patches, report
     return report
 

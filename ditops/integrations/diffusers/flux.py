@@ -9,6 +9,13 @@
   the block. Under context parallelism the plan splits ``txt_ids`` and ``img_ids``, so those
   tables hold this shard's text rows, then its image rows: the image tokens start at
   position_offset = the local text length.
+
+With ``quantize="fp8"`` (quantize.py) the norms give FP8 rows (``norm_scale_shift_fp8``,
+``residual_norm_scale_shift_fp8``) to the Linears they feed, now FP8 (q/k/v, the MLPs' up
+projections, the single blocks' ``proj_mlp``); each MLP's GELU and the quantisation of its
+hidden state are one ``quantize_fp8``; the attention outputs are quantised by their
+projections (``to_out``, ``to_add_out``); a single block's ``proj_out`` is one FP8 GEMM per
+part of its input (attention output, MLP activation), each with its own row scales.
 """
 
 from __future__ import annotations
@@ -16,54 +23,135 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from . import patching
+from ...fp8 import Float8Rows
+from . import patching, quantize
 
 
-def _ada_layer_norm_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
-    """diffusers' AdaLayerNormZero: the six modulation chunks of one linear layer, the first
-    two applied to LayerNorm(x). The chunks are [B, D] views: per-batch modulation."""
-    if patching.hooked(self, ("norm",)):
-        return type(self).forward(self, x, timestep, class_labels, hidden_dtype, emb)
-    if self.emb is not None:
-        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(6, dim=1)
-    return ops.norm_scale_shift(x, scale_msa, shift_msa, eps=self.norm.eps), gate_msa, shift_mlp, scale_mlp, gate_mlp
+# The norms as the Linears after them take their output: a tensor, or FP8 rows (quantize="fp8").
 
 
-def _ada_layer_norm_zero_single_forward(self, x, emb=None):
-    if patching.hooked(self, ("norm",)):
-        return type(self).forward(self, x, emb)
-    shift_msa, scale_msa, gate_msa = self.linear(self.silu(emb)).chunk(3, dim=1)
-    return ops.norm_scale_shift(x, scale_msa, shift_msa, eps=self.norm.eps), gate_msa
+def _norm(x, scale, shift, eps):
+    return ops.norm_scale_shift(x, scale, shift, eps=eps)
 
 
-def _double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
-                          joint_attention_kwargs=None):
-    """diffusers' FluxTransformerBlock with each "residual + gate * attention, then norm2 and
-    its modulation" as one residual_norm_scale_shift."""
-    if patching.hooked(self, ("norm2", "norm2_context")):
+def _norm_fp8(x, scale, shift, eps):
+    return Float8Rows(*ops.norm_scale_shift_fp8(x, scale, shift, eps=eps))
+
+
+def _residual_norm(x, residual, gate, scale, shift, eps):
+    return ops.residual_norm_scale_shift(x, residual, gate, scale, shift, eps=eps)
+
+
+def _residual_norm_fp8(x, residual, gate, scale, shift, eps):
+    y, y_scale, residual_out = ops.residual_norm_scale_shift_fp8(x, residual, gate, scale, shift, eps=eps)
+    return Float8Rows(y, y_scale), residual_out
+
+
+def _ada_layer_norm_zero_forward_of(norm):
+    def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+        """diffusers' AdaLayerNormZero: the six modulation chunks of one linear layer, the first
+        two applied to LayerNorm(x). The chunks are [B, D] views: per-batch modulation."""
+        if patching.hooked(self, ("norm",)):
+            return type(self).forward(self, x, timestep, class_labels, hidden_dtype, emb)
+        if self.emb is not None:
+            emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(6, dim=1)
+        return norm(x, scale_msa, shift_msa, self.norm.eps), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+    return forward
+
+
+def _ada_layer_norm_zero_single_forward_of(norm):
+    def forward(self, x, emb=None):
+        if patching.hooked(self, ("norm",)):
+            return type(self).forward(self, x, emb)
+        shift_msa, scale_msa, gate_msa = self.linear(self.silu(emb)).chunk(3, dim=1)
+        return norm(x, scale_msa, shift_msa, self.norm.eps), gate_msa
+
+    return forward
+
+
+def _double_block_forward_of(residual_norm):
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
+        """diffusers' FluxTransformerBlock with each "residual + gate * attention, then norm2 and
+        its modulation" as one residual_norm_scale_shift."""
+        if patching.hooked(self, ("norm2", "norm2_context")):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                      joint_attention_kwargs)
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+        norm_context, context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb)
+        outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
+                            image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+        attention, context_attention = outputs[0], outputs[1]
+
+        norm_hidden_states, hidden_states = residual_norm(
+            attention, hidden_states, gate_msa, scale_mlp, shift_mlp, self.norm2.eps)
+        hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
+        if len(outputs) == 3:  # IP-Adapter output
+            hidden_states = hidden_states + outputs[2]
+
+        norm_context, encoder_hidden_states = residual_norm(
+            context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
+            self.norm2_context.eps)
+        encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
+
+    return forward
+
+
+_ada_layer_norm_zero_forward = _ada_layer_norm_zero_forward_of(_norm)
+_ada_layer_norm_zero_single_forward = _ada_layer_norm_zero_single_forward_of(_norm)
+_double_block_forward = _double_block_forward_of(_residual_norm)
+_FP8_FORWARDS = {
+    _ada_layer_norm_zero_forward: _ada_layer_norm_zero_forward_of(_norm_fp8),
+    _ada_layer_norm_zero_single_forward: _ada_layer_norm_zero_single_forward_of(_norm_fp8),
+    _double_block_forward: _double_block_forward_of(_residual_norm_fp8),
+}
+
+
+def _feed_forward_fp8(self, hidden_states, *args, **kwargs):
+    """diffusers' FeedForward of FLUX (GELU-tanh up projection, dropout, down projection), its
+    GELU and the quantisation of its 4D-wide hidden state as one quantize_fp8 between the two
+    FP8 GEMMs. Dropout is the identity at inference; in training diffusers' code runs."""
+    if self.training:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    hidden = self.net[0].proj(hidden_states)
+    return self.net[2](Float8Rows(*ops.quantize_fp8(hidden, activation="gelu_tanh")))
+
+
+def _gelu_tanh_feed_forward(ff) -> bool:
+    """Whether ``ff`` is diffusers' FeedForward as FLUX builds it: GELU(tanh) up, dropout, Linear down."""
+    from diffusers.models.activations import GELU
+
+    net = getattr(ff, "net", None)
+    return (net is not None and len(net) == 3 and type(net[0]) is GELU and net[0].approximate == "tanh"
+            and type(net[1]) is torch.nn.Dropout and type(net[2]) is torch.nn.Linear)
+
+
+def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                              joint_attention_kwargs=None):
+    """diffusers' FluxSingleTransformerBlock with FP8 GEMMs: the norm's FP8 rows feed the MLP's
+    up projection and q/k/v; the attention output and the MLP's GELU are quantised each with
+    their own row scales (two quantize_fp8), the two parts of proj_out's input."""
+    if self.training or patching.hooked(self, ("act_mlp",)):
         return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                   joint_attention_kwargs)
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
-    norm_context, context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp = self.norm1_context(
-        encoder_hidden_states, emb=temb)
-    outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
-                        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
-    attention, context_attention = outputs[0], outputs[1]
-
-    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
-        attention, hidden_states, gate_msa, scale_mlp, shift_mlp, eps=self.norm2.eps)
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
-    if len(outputs) == 3:  # IP-Adapter output
-        hidden_states = hidden_states + outputs[2]
-
-    norm_context, encoder_hidden_states = ops.residual_norm_scale_shift(
-        context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
-        eps=self.norm2_context.eps)
-    encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = self.proj_mlp(norm_hidden_states)
+    attention = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                          **(joint_attention_kwargs or {}))
+    parts = (Float8Rows(*ops.quantize_fp8(attention)), Float8Rows(*ops.quantize_fp8(mlp_hidden_states,
+                                                                                     activation="gelu_tanh")))
+    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(parts)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
 class FluxQKNormRopeProcessor(patching.DitopsProcessor):
@@ -101,7 +189,8 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
         out = self.attention(query, key, value, attention_mask).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
-        text = encoder_hidden_states.shape[1]
+        # the text length from the projections: encoder_hidden_states may be FP8 rows (quantize="fp8")
+        text = context_query.shape[1]
         context_out, out = out.split_with_sizes([text, out.shape[1] - text], dim=1)
         return attn.to_out[1](attn.to_out[0](out.contiguous())), attn.to_add_out(context_out.contiguous())
 
@@ -114,26 +203,75 @@ def _attention_supported(attn) -> bool:
         isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None and norm.eps == attn.norm_q.eps for norm in norms)
 
 
-def patch(model, patches: list, report) -> None:
+_QKV = ("to_q", "to_k", "to_v")
+_ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
+_STAY_BF16 = {  # quantize.list_linears: why a Linear of FLUX stays bf16 (the first fragment its path holds)
+    "embed": "an embedder: its input comes from no ditops op, and it runs once per forward",
+    "norm_out": "the final layer's modulation: one row per batch item",
+    ".linear": "a modulation Linear: one row per batch item, too few for an FP8 GEMM to pay",
+    "proj_out": "the final projection to latent channels (64): too narrow for an FP8 GEMM to pay",
+}
+
+
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches FLUX's blocks; with ``fp8_dtype`` their Linears named in the module docstring run FP8."""
+    fp8 = (lambda function: _FP8_FORWARDS[function]) if fp8_dtype is not None else (lambda function: function)
+    suffix = "_fp8" if fp8_dtype is not None else ""
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
         if all(patching.plain_layer_norm(norm)
                for norm in (block.norm1.norm, block.norm1_context.norm, block.norm2, block.norm2_context)):
             for name in ("norm1", "norm1_context"):
                 if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
-                                            _ada_layer_norm_zero_forward):
-                    report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
-            if patching.replace_forward(patches, report, block, path, _double_block_forward):
-                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift"))
+                                            fp8(_ada_layer_norm_zero_forward)):
+                    report.replaced.append((f"{path}.{name}", "norm_scale_shift" + suffix))
+            if patching.replace_forward(patches, report, block, path, fp8(_double_block_forward)):
+                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
         else:
             report.skipped.append(f"{path}: norms with affine parameters or another type")
         patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
                                    FluxQKNormRopeProcessor, "qk_norm_rope_")
+        if fp8_dtype is not None:
+            _quantize_double_block(block, path, patches, report, fp8_dtype)
     for index, block in enumerate(model.single_transformer_blocks):
         path = f"single_transformer_blocks.{index}"
         if not patching.plain_layer_norm(block.norm.norm):
             report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
-        elif patching.replace_forward(patches, report, block.norm, f"{path}.norm", _ada_layer_norm_zero_single_forward):
-            report.replaced.append((f"{path}.norm", "norm_scale_shift"))
+        elif patching.replace_forward(patches, report, block.norm, f"{path}.norm",
+                                      fp8(_ada_layer_norm_zero_single_forward)):
+            report.replaced.append((f"{path}.norm", "norm_scale_shift" + suffix))
         patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
                                    FluxQKNormRopeProcessor, "qk_norm_rope_")
+        if fp8_dtype is not None:
+            _quantize_single_block(block, path, patches, report, fp8_dtype)
+    if fp8_dtype is not None:
+        quantize.list_linears(model, report, _STAY_BF16)
+
+
+def _quantize_double_block(block, path, patches, report, fp8_dtype) -> None:
+    attention = block.attn
+    for name in _QKV + _ADDED_QKV + ("to_add_out",):
+        quantize.replace_linear(patches, report, attention, name, f"{path}.attn.{name}", fp8_dtype)
+    quantize.replace_linear(patches, report, attention.to_out, "0", f"{path}.attn.to_out.0", fp8_dtype)
+    for name in ("ff", "ff_context"):
+        ff = getattr(block, name)
+        if not _gelu_tanh_feed_forward(ff):
+            report.skipped.append(f"{path}.{name}: not FLUX's GELU-tanh FeedForward; its Linears stay bf16")
+            continue
+        quantize.replace_linear(patches, report, ff.net[0], "proj", f"{path}.{name}.net.0.proj", fp8_dtype)
+        quantize.replace_linear(patches, report, ff.net, "2", f"{path}.{name}.net.2", fp8_dtype)
+        if patching.replace_forward(patches, report, ff, f"{path}.{name}", _feed_forward_fp8):
+            report.replaced.append((f"{path}.{name}", "quantize_fp8 (GELU)"))
+
+
+def _quantize_single_block(block, path, patches, report, fp8_dtype) -> None:
+    if not (type(block.act_mlp) is torch.nn.GELU and block.act_mlp.approximate == "tanh"):
+        report.skipped.append(f"{path}: act_mlp is not GELU(tanh); its Linears stay bf16")
+        return
+    for name in _QKV:
+        quantize.replace_linear(patches, report, block.attn, name, f"{path}.attn.{name}", fp8_dtype)
+    quantize.replace_linear(patches, report, block, "proj_mlp", f"{path}.proj_mlp", fp8_dtype)
+    widths = (block.proj_out.in_features - block.proj_mlp.out_features, block.proj_mlp.out_features)
+    if (quantize.replace_linear(patches, report, block, "proj_out", f"{path}.proj_out", fp8_dtype, widths)
+            and patching.replace_forward(patches, report, block, path, _single_block_forward_fp8)):
+        report.replaced.append((f"{path}.act_mlp, {path}.proj_out", "quantize_fp8 (attention; GELU)"))

@@ -1,0 +1,110 @@
+"""FP8 linear layers fed by the ops' FP8 rows (``norm_scale_shift_fp8``, ``quantize_fp8``, ...).
+
+A ``Float8Rows`` is what those ops return: FP8 values [..., K] and one float32 scale per row
+[..., 1]. A ``Float8Linear`` holds a Linear's weight quantised once per output channel (FP8
+[N, K] and float32 scales [1, N]) and multiplies through ``torch._scaled_mm`` with both sets of
+scales and the bias in the GEMM (cuBLASLt on NVIDIA, hipBLASLt on AMD): the activation
+quantisation a standalone FP8 linear adds happens in the op that produced the rows. Given a
+plain tensor instead, it quantises it first (``quantize_fp8``: one pass).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .dispatch import fp8_dtypes
+
+
+class Float8Rows(NamedTuple):
+    """FP8 activations and their per-row float32 scales: ``data * scale`` stands for the values."""
+
+    data: Tensor
+    scale: Tensor
+
+
+def quantize_weight(weight: Tensor, fp8_dtype: torch.dtype) -> tuple:
+    """A [N, K] weight as FP8 rows and their float32 scales [1, N] (one per output channel):
+    scale = max(amax, 1e-12) / the format's max, as the activations' rows are."""
+    fmax = torch.finfo(fp8_dtype).max
+    values = weight.detach().float()
+    scale = values.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / fmax
+    return (values / scale).clamp(-fmax, fmax).to(fp8_dtype), scale.t().contiguous()
+
+
+def check_device(device: torch.device, fp8_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The FP8 format to use on ``device`` (``fp8_dtype``, or the device's own); a ValueError
+    naming the device where it multiplies in no FP8 format or not in that one."""
+    formats = fp8_dtypes(device)
+    if not formats or (fp8_dtype is not None and fp8_dtype not in formats):
+        have = ", ".join(map(str, formats)) or "none"
+        raise ValueError(f"fp8: device {device} multiplies in FP8 formats: {have}; wanted "
+                         f"{fp8_dtype or 'one'} (FP8 GEMMs need NVIDIA sm_89 or newer, or AMD gfx942 or gfx950)")
+    return fp8_dtype or formats[0]
+
+
+class Float8Linear(torch.nn.Module):
+    """``linear`` with its weight in FP8 (per output channel), its bias and output dtype kept.
+    ``forward`` takes Float8Rows, or a tensor that it quantises per row first."""
+
+    def __init__(self, linear: torch.nn.Linear, fp8_dtype: torch.dtype):
+        super().__init__()
+        out_features, in_features = linear.weight.shape
+        if in_features % 16 or out_features % 16:
+            raise ValueError(f"Float8Linear: linear is {in_features} -> {out_features}; wanted both multiples of 16 "
+                             "(torch._scaled_mm)")
+        weight, scale = quantize_weight(linear.weight, fp8_dtype)
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.in_features, self.out_features = in_features, out_features
+        self.fp8_dtype, self.out_dtype = fp8_dtype, linear.weight.dtype
+
+    def forward(self, x) -> Tensor:
+        if not isinstance(x, Float8Rows):
+            x = Float8Rows(*ops.quantize_fp8(x, fp8_dtype=self.fp8_dtype))
+        return linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.fp8_dtype}, bias={self.bias is not None}"
+
+
+def linear(rows: Float8Rows, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    """rows @ weight.T + bias, in out_dtype: FP8 rows [..., K] with scales [..., 1], an FP8
+    weight [N, K] with scales [1, N]. Fast accumulation, as torchao's rowwise FP8 inference."""
+    data, scale = rows
+    leading = data.shape[:-1]
+    out = torch._scaled_mm(data.reshape(-1, data.shape[-1]), weight.t(), scale_a=scale.reshape(-1, 1),
+                           scale_b=weight_scale, bias=bias, out_dtype=out_dtype, use_fast_accum=data.is_cuda)
+    return out.reshape(*leading, weight.shape[0])
+
+
+class Float8PartsLinear(torch.nn.Module):
+    """A Linear whose input is a concatenation of parts (FLUX's single-block ``proj_out`` reads
+    [attention output, MLP activation]): one FP8 GEMM per part, each part with its own row
+    scales, summed, the bias in the first. ``forward`` takes one Float8Rows per part, or the
+    concatenated tensor (each part then quantised by itself)."""
+
+    def __init__(self, linear: torch.nn.Linear, widths: tuple, fp8_dtype: torch.dtype):
+        super().__init__()
+        if sum(widths) != linear.in_features:
+            raise ValueError(f"Float8PartsLinear: widths {widths} sum to {sum(widths)}; wanted {linear.in_features}")
+        self.widths = tuple(widths)
+        self.parts = torch.nn.ModuleList()
+        for position, columns in enumerate(linear.weight.detach().split(self.widths, dim=1)):
+            part = torch.nn.Linear(columns.shape[1], linear.out_features, bias=position == 0 and linear.bias is not None,
+                                   device="meta")
+            part.weight = torch.nn.Parameter(columns, requires_grad=False)
+            if part.bias is not None:
+                part.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+            self.parts.append(Float8Linear(part, fp8_dtype))
+
+    def forward(self, x) -> Tensor:
+        pieces = x.split(self.widths, dim=-1) if isinstance(x, Tensor) else x
+        out = self.parts[0](pieces[0])
+        for part, piece in zip(self.parts[1:], pieces[1:]):
+            out = out + part(piece)
+        return out
