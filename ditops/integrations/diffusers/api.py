@@ -10,13 +10,16 @@ import torch
 
 from ...fp8 import check_device
 
-from . import flux, qwen_image, wan, z_image
+from . import chroma, flux, flux_clones, qwen_image, wan, z_image
 from .report import Report
 
 SUPPORTED_VERSION = "0.42."
 
 _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.patch,
-             "QwenImageTransformer2DModel": qwen_image.patch, "ZImageTransformer2DModel": z_image.patch}
+             "QwenImageTransformer2DModel": qwen_image.patch, "ZImageTransformer2DModel": z_image.patch,
+             "ChromaTransformer2DModel": chroma.patch, "LongCatImageTransformer2DModel": flux_clones.patch,
+             "OvisImageTransformer2DModel": flux_clones.patch, "BriaTransformer2DModel": flux_clones.patch,
+             "BriaFiboTransformer2DModel": flux_clones.patch}
 
 
 _FP8_PATCHERS = {flux.patch}  # the families whose norm -> projection chains run FP8 with quantize="fp8"

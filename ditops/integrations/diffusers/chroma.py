@@ -1,0 +1,114 @@
+"""Chroma (``ChromaTransformer2DModel``) under ditops.
+
+Chroma is FLUX.1 with the modulation Linears pruned: one approximator computes every block's
+modulation up front, and each block receives its rows ([B, 6, D] per stream in double blocks,
+[B, 3, D] in single blocks). The attention is diffusers' FLUX attention itself
+(``FluxAttention`` with ``FluxAttnProcessor``), with a text-and-image attention mask.
+
+- ``ChromaAdaLayerNormZeroPruned`` and ``ChromaAdaLayerNormZeroSinglePruned`` -> ``norm_scale_shift``
+  (the modulation rows stay [B, D] views).
+- In double blocks, the gated residual add of the attention output followed by ``norm2`` and
+  its modulation -> ``residual_norm_scale_shift``, on both streams.
+- In every attention processor, the q/k RMSNorms and the RoPE -> ``qk_norm_rope_`` through
+  FLUX's processor (``flux.FluxQKNormRopeProcessor``); the attention mask goes to attention
+  unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import ops
+from . import flux, patching
+
+
+def _pruned_norm_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+    """diffusers' ChromaAdaLayerNormZeroPruned: the six modulation rows of ``emb`` [B, 6, D],
+    the first two applied to LayerNorm(x)."""
+    if patching.hooked(self, ("norm",)):
+        return type(self).forward(self, x, timestep, class_labels, hidden_dtype, emb)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.flatten(1, 2).chunk(6, dim=1)
+    return ops.norm_scale_shift(x, scale_msa, shift_msa, eps=self.norm.eps), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _pruned_single_norm_forward(self, x, emb=None):
+    if patching.hooked(self, ("norm",)):
+        return type(self).forward(self, x, emb)
+    shift_msa, scale_msa, gate_msa = emb.flatten(1, 2).chunk(3, dim=1)
+    return ops.norm_scale_shift(x, scale_msa, shift_msa, eps=self.norm.eps), gate_msa
+
+
+def _double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                          attention_mask=None, joint_attention_kwargs=None):
+    """diffusers' ChromaTransformerBlock with each "residual + gate * attention, then norm2 and
+    its modulation" as one residual_norm_scale_shift. temb holds the image stream's six rows,
+    then the text stream's."""
+    if patching.hooked(self, ("norm2", "norm2_context")):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                  attention_mask, joint_attention_kwargs)
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb[:, :6])
+    norm_context, context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb[:, 6:])
+    if attention_mask is not None:  # [B, S] keep-mask -> [B, 1, S, S]: a pair attends where both tokens are kept
+        attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+    outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
+                        image_rotary_emb=image_rotary_emb, attention_mask=attention_mask,
+                        **(joint_attention_kwargs or {}))
+    attention, context_attention = outputs[0], outputs[1]
+
+    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
+        attention, hidden_states, gate_msa, scale_mlp, shift_mlp, eps=self.norm2.eps)
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
+    if len(outputs) == 3:  # IP-Adapter output
+        hidden_states = hidden_states + outputs[2]
+
+    norm_context, encoder_hidden_states = ops.residual_norm_scale_shift(
+        context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
+        eps=self.norm2_context.eps)
+    encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _layer_norm(norm) -> bool:
+    """nn.LayerNorm without affine parameters; not FP32LayerNorm (``norm_type="fp32_layer_norm"``),
+    whose bf16 rounding differs."""
+    return type(norm) is torch.nn.LayerNorm and norm.weight is None and norm.bias is None
+
+
+def _double_block_supported(block) -> bool:
+    from diffusers.models.transformers.transformer_chroma import ChromaAdaLayerNormZeroPruned, ChromaTransformerBlock
+
+    # norm.emb: the pruned norm can embed timesteps itself (num_embeddings); Chroma's blocks do not
+    norm1s_supported = all(type(norm) is ChromaAdaLayerNormZeroPruned and norm.emb is None and _layer_norm(norm.norm)
+                           for norm in (block.norm1, block.norm1_context))
+    return (type(block) is ChromaTransformerBlock and norm1s_supported and _layer_norm(block.norm2)
+            and _layer_norm(block.norm2_context))
+
+
+def patch(model, patches: list, report) -> None:
+    from diffusers.models.transformers.transformer_chroma import ChromaAdaLayerNormZeroSinglePruned
+
+    for index, block in enumerate(model.transformer_blocks):
+        path = f"transformer_blocks.{index}"
+        if _double_block_supported(block):
+            for name in ("norm1", "norm1_context"):
+                if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
+                                            _pruned_norm_forward):
+                    report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
+            if patching.replace_forward(patches, report, block, path, _double_block_forward):
+                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift"))
+        else:
+            report.skipped.append(f"{path}: another block type, or norms with affine parameters, an embedding "
+                                  "or of another type")
+        patching.replace_processor(patches, report, block.attn, f"{path}.attn", flux._attention_supported(block.attn),
+                                   flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
+    for index, block in enumerate(model.single_transformer_blocks):
+        path = f"single_transformer_blocks.{index}"
+        if not (type(block.norm) is ChromaAdaLayerNormZeroSinglePruned and _layer_norm(block.norm.norm)):
+            report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
+        elif patching.replace_forward(patches, report, block.norm, f"{path}.norm", _pruned_single_norm_forward):
+            report.replaced.append((f"{path}.norm", "norm_scale_shift"))
+        patching.replace_processor(patches, report, block.attn, f"{path}.attn", flux._attention_supported(block.attn),
+                                   flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
