@@ -167,3 +167,125 @@ def test_flux_like_block_with_an_affine_norm2_is_left_alone_and_reported(name):
     assert report.skipped == ["transformer_blocks.1: another block type, or norms with affine parameters"
                               + (", an embedding or of another type" if name == "chroma" else " or of another type")]
     assert not any(path.startswith("transformer_blocks.1.norm") for path, _ in report.replaced)
+
+
+# ----- the Wan family, matched by block structure ------------------------------------------------
+
+WAN_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift (rms), rope_"}
+WAN_SHAPE = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                 text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32)
+
+
+def wan_inputs(frames=3, **extra):
+    generator = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, 4, frames, 8, 8, generator=generator),
+                  timestep=torch.tensor([10.0, 500.0]), encoder_hidden_states=torch.randn(2, 7, 32, generator=generator))
+    inputs.update(extra)
+    return inputs
+
+
+def tiny_wan_vace():
+    """Two Wan blocks and one VACE control block (layers [0]): the control block has Wan's layout
+    and computes something else (input and output projections, a control stream)."""
+    model = built(diffusers.WanVACETransformer3DModel, **WAN_SHAPE, vace_layers=[0], vace_in_channels=8)
+    generator = torch.Generator().manual_seed(2)
+    return model, wan_inputs(control_hidden_states=torch.randn(2, 8, 3, 8, 8, generator=generator))
+
+
+def tiny_wan_animate():
+    """Wan-Animate's blocks are a copy of WanTransformerBlock in its own module; between them run
+    face adapters (no Wan layout), fed by a tiny motion encoder on 8x8 face frames."""
+    model = built(diffusers.WanAnimateTransformer3DModel, **dict(WAN_SHAPE, in_channels=None), latent_channels=4,
+                  image_dim=None, motion_encoder_channel_sizes={"8": 4, "4": 4}, motion_encoder_size=8,
+                  motion_style_dim=8, motion_dim=4, motion_encoder_dim=16, face_encoder_hidden_dim=32,
+                  face_encoder_num_heads=2, inject_face_latents_blocks=1)
+    generator = torch.Generator().manual_seed(2)
+    return model, wan_inputs(hidden_states=torch.randn(2, 12, 3, 8, 8, generator=generator),
+                             pose_hidden_states=torch.randn(2, 4, 2, 8, 8, generator=generator),
+                             face_pixel_values=torch.randn(2, 3, 2, 8, 8, generator=generator))
+
+
+def tiny_chronoedit():
+    return built(diffusers.ChronoEditTransformer3DModel, **WAN_SHAPE), wan_inputs()
+
+
+def tiny_skyreels_v2():
+    """Diffusion forcing: one timestep per frame (per-token modulation) and a causal mask over
+    blocks of two frames."""
+    model = built(diffusers.SkyReelsV2Transformer3DModel, **WAN_SHAPE, num_frame_per_block=2)
+    return model, wan_inputs(frames=4, timestep=torch.tensor([[10.0, 10.0, 500.0, 500.0], [900.0, 900.0, 20.0, 20.0]]),
+                             enable_diffusion_forcing=True)
+
+
+WAN_LIKE = {
+    # per Wan block: norm1, norm2, norm3, attn1; the VACE control block: attn1 only
+    "wan-vace": (tiny_wan_vace, 2 * 4 + 1),
+    "wan-animate": (tiny_wan_animate, 2 * 4),
+    "chronoedit": (tiny_chronoedit, 2 * 4),
+    "skyreels-v2": (tiny_skyreels_v2, 2 * 4),
+}
+
+
+@pytest.mark.parametrize("name", WAN_LIKE)
+def test_wan_like_patched_matches_diffusers_and_remove_restores_it(name):
+    build, sites = WAN_LIKE[name]
+    model, inputs = build()
+    report = assert_patched_matches(model, inputs, 3 if name == "wan-vace" else 2, sites, WAN_OPS)
+    if name == "wan-vace":
+        assert report.skipped == ["vace_blocks.0: WanVACETransformerBlock has Wan's block layout but another forward; "
+                                  "its norms stay as diffusers wrote them"]
+        assert ("vace_blocks.0.attn1.processor", "norm_scale_shift (rms), rope_") in report.replaced
+    else:
+        assert not report.skipped
+
+
+@pytest.mark.parametrize("name", WAN_LIKE)
+def test_wan_like_runs_the_ops(monkeypatch, name):
+    model, inputs = WAN_LIKE[name][0]()
+    integration.apply(model)
+    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "residual_norm_scale_shift", "rope_"))
+    run(model, inputs)
+    # per Wan block: norm1, then q and k RMSNorm; norm2 and norm3 with their residuals; one RoPE;
+    # the VACE control block: q and k RMSNorm, one RoPE
+    vace = 1 if name == "wan-vace" else 0
+    assert sorted(calls) == sorted((["norm_scale_shift"] * 3 + ["residual_norm_scale_shift"] * 2 + ["rope_"]) * 2
+                                   + (["norm_scale_shift"] * 2 + ["rope_"]) * vace)
+
+
+def test_skyreels_v2_runs_per_token_modulation_and_the_causal_mask(monkeypatch):
+    """Diffusion forcing hands the ops [B, S, D] modulation, and the causal mask reaches
+    attention (without it, the first frames would see the last ones)."""
+    model, inputs = tiny_skyreels_v2()
+    integration.apply(model)
+    scales = []
+    original = integration.ops.norm_scale_shift
+    monkeypatch.setattr(integration.ops, "norm_scale_shift",
+                        lambda x, scale, *a, **k: scales.append(tuple(scale.shape)) or original(x, scale, *a, **k))
+    first = run(model, inputs)
+    assert (2, 4 * 4 * 4, 32) in scales  # [B, frames x 4 x 4 tokens, D]
+    changed = dict(inputs, hidden_states=inputs["hidden_states"].clone())
+    changed["hidden_states"][:, :, 2:] += 1.0  # the second block of frames
+    second = run(model, changed)
+    assert torch.equal(first[:, :, :2], second[:, :, :2]) and not torch.allclose(first[:, :, 2:], second[:, :, 2:])
+
+
+def test_a_wan_block_with_another_forward_is_left_alone_and_reported():
+    """A block with Wan's layout whose forward differs (here: Wan's block with the modulation
+    of norm3 dropped) keeps its norms; the other blocks are patched."""
+    model, inputs = tiny_chronoedit()
+
+    class Altered(type(model.blocks[1])):
+        def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+            shift_msa, scale_msa, gate_msa, _, _, c_gate_msa = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
+            norm_hidden_states = (self.norm1(hidden_states.float()) * (1 + scale_msa) + shift_msa).type_as(hidden_states)
+            hidden_states = (hidden_states.float() + self.attn1(norm_hidden_states, None, None, rotary_emb) * gate_msa
+                             ).type_as(hidden_states)
+            hidden_states = hidden_states + self.attn2(self.norm2(hidden_states.float()).type_as(hidden_states),
+                                                       encoder_hidden_states, None, None)
+            ff_output = self.ffn(self.norm3(hidden_states.float()).type_as(hidden_states))
+            return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+
+    model.blocks[1].__class__ = Altered
+    report = assert_patched_matches(model, inputs, 2, 2 * 4 - 3, WAN_OPS)
+    assert report.skipped == ["blocks.1: Altered has Wan's block layout but another forward; its norms stay as "
+                              "diffusers wrote them"]

@@ -6,7 +6,8 @@ returns a report of what it replaced and what it skipped. ``remove`` restores wh
 ``apply`` on a model that is already patched changes nothing. Everything a model does that no
 op covers stays as diffusers wrote it. Supported (diffusers 0.42): FLUX.1 (``flux``), Chroma
 (``chroma``), the FLUX.1 copies LongCat-Image, Ovis-Image, Bria 3.2 and FIBO (``flux_clones``),
-Wan 2.1/2.2 (``wan``), Qwen-Image and Qwen-Image-Edit (``qwen_image``), Z-Image (``z_image``);
+Wan 2.1/2.2, Wan-VACE, Wan-Animate, ChronoEdit and SkyReels-V2 (``wan``, whose blocks are
+matched by their code), Qwen-Image and Qwen-Image-Edit (``qwen_image``), Z-Image (``z_image``);
 each module says what it replaces. Any other model class, or another diffusers version, is left
 untouched with one warning.
 

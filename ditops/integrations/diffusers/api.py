@@ -19,7 +19,9 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
              "QwenImageTransformer2DModel": qwen_image.patch, "ZImageTransformer2DModel": z_image.patch,
              "ChromaTransformer2DModel": chroma.patch, "LongCatImageTransformer2DModel": flux_clones.patch,
              "OvisImageTransformer2DModel": flux_clones.patch, "BriaTransformer2DModel": flux_clones.patch,
-             "BriaFiboTransformer2DModel": flux_clones.patch}
+             "BriaFiboTransformer2DModel": flux_clones.patch, "WanVACETransformer3DModel": wan.patch,
+             "WanAnimateTransformer3DModel": wan.patch, "ChronoEditTransformer3DModel": wan.patch,
+             "SkyReelsV2Transformer3DModel": wan.patch}
 
 
 _FP8_PATCHERS = {flux.patch}  # the families whose norm -> projection chains run FP8 with quantize="fp8"
