@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 from ...fp8 import check_device
-
 from . import chroma, flux, flux_clones, qwen_image, wan, z_image
+from . import quantize as quantize_module  # apply's argument is named quantize
 from .report import Report
 
 SUPPORTED_VERSION = "0.42."
@@ -24,7 +24,7 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
              "SkyReelsV2Transformer3DModel": wan.patch}
 
 
-_FP8_PATCHERS = {flux.patch}  # the families whose norm -> projection chains run FP8 with quantize="fp8"
+_FUSED_FP8 = {flux.patch}  # families whose norms give FP8 rows to their projections (the others' Linears quantise their input)
 QUANTIZE = (None, "fp8")
 
 
@@ -32,10 +32,11 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
     """Replaces what ditops covers in ``model``; returns what was replaced and what was skipped.
     ``apply`` on a model that is already patched changes nothing and returns the first report.
 
-    ``quantize="fp8"``: the Linears that the ops feed run as FP8 GEMMs (quantize.py: the FP8
-    weights stay on the model's device, the bf16 Linears wait in host memory for ``remove``);
-    the report lists every Linear and how it runs. A ValueError where the model's device has
-    no FP8 GEMM or its family has no FP8 path."""
+    ``quantize="fp8"``: every Linear runs as an FP8 GEMM (quantize.py: the FP8 weights stay on
+    the model's device, the bf16 Linears wait in host memory for ``remove``), fed FP8 rows by
+    the norms where the family's module does so (FLUX), else quantising its own input; the
+    report lists every Linear and how it runs. A ValueError where the model's device has no
+    FP8 GEMM (registry.yaml's fp8_formats)."""
     if quantize not in QUANTIZE:
         raise ValueError(f"apply: quantize is {quantize!r}; wanted one of {', '.join(map(repr, QUANTIZE))}")
     if getattr(model, "_ditops_patches", None) is not None:
@@ -48,14 +49,14 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
     patcher = _PATCHERS.get(name)
     if patcher is None:
         return _untouched(model, f"{name}: not a supported model ({', '.join(_PATCHERS)})")
-    options = {}
-    if quantize == "fp8":
-        if patcher not in _FP8_PATCHERS:
-            raise ValueError(f"apply: quantize='fp8' is not supported for {name} yet; it runs FP8 on "
-                             f"{', '.join(n for n, p in _PATCHERS.items() if p in _FP8_PATCHERS)}")
-        options["fp8_dtype"] = check_device(next(model.parameters()).device)
+    fp8_dtype = check_device(next(model.parameters()).device) if quantize == "fp8" else None
     patches, report = [], Report()
-    patcher(model, patches, report, **options)
+    if fp8_dtype is not None and patcher in _FUSED_FP8:
+        patcher(model, patches, report, fp8_dtype=fp8_dtype)
+    else:
+        patcher(model, patches, report)
+        if fp8_dtype is not None:
+            quantize_module.replace_rest(model, patches, report, fp8_dtype)
     model._ditops_patches, model._ditops_report = patches, report
     return report
 

@@ -15,7 +15,8 @@ With ``quantize="fp8"`` (quantize.py) the norms give FP8 rows (``norm_scale_shif
 projections, the single blocks' ``proj_mlp``); each MLP's GELU and the quantisation of its
 hidden state are one ``quantize_fp8``; the attention outputs are quantised by their
 projections (``to_out``, ``to_add_out``); a single block's ``proj_out`` is one FP8 GEMM per
-part of its input (attention output, MLP activation), each with its own row scales.
+part of its input (attention output, MLP activation), each with its own row scales. Every other
+Linear (modulation, embedders, final layer) quantises its own input.
 """
 
 from __future__ import annotations
@@ -205,14 +206,6 @@ def _attention_supported(attn) -> bool:
 
 _QKV = ("to_q", "to_k", "to_v")
 _ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
-_STAY_BF16 = {  # quantize.list_linears: why a Linear of FLUX stays bf16 (the first fragment its path holds)
-    "embed": "an embedder: its input comes from no ditops op, and it runs once per forward",
-    "norm_out": "the final layer's modulation: one row per batch item",
-    ".linear": "a modulation Linear: one row per batch item, too few for an FP8 GEMM to pay",
-    "proj_out": "the final projection to latent channels (64): too narrow for an FP8 GEMM to pay",
-}
-
-
 def patch(model, patches: list, report, fp8_dtype=None) -> None:
     """Patches FLUX's blocks; with ``fp8_dtype`` their Linears named in the module docstring run FP8."""
     fp8 = (lambda function: _FP8_FORWARDS[function]) if fp8_dtype is not None else (lambda function: function)
@@ -245,7 +238,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         if fp8_dtype is not None:
             _quantize_single_block(block, path, patches, report, fp8_dtype)
     if fp8_dtype is not None:
-        quantize.list_linears(model, report, _STAY_BF16)
+        quantize.replace_rest(model, patches, report, fp8_dtype)
 
 
 def _quantize_double_block(block, path, patches, report, fp8_dtype) -> None:

@@ -1,12 +1,13 @@
 """``apply(model, quantize="fp8")``: which Linear layers of a model run as FP8 GEMMs.
 
-A model module (flux.py, ...) names each Linear whose input a ditops op produces (a norm with
-FP8 output, the GELU + quantisation of an MLP, the row quantisation of an attention output);
-``replace_linear`` puts a ``Float8Linear`` (ditops/fp8.py) there, its weight quantised once
-per output channel. The bf16 Linear is kept, moved to host memory: the GPU holds the FP8
-weights alone (about half the bytes), and ``remove`` moves the bf16 one back and puts it
-where it was, so the model has its exact bits again. ``list_linears`` writes, for the report,
-every Linear of the model and whether it runs FP8, and why not where it stays bf16.
+Every Linear of the model becomes a ``Float8Linear`` (ditops/fp8.py), its weight quantised
+once per output channel, where torch._scaled_mm can take its sizes. A model module (flux.py,
+...) replaces first the Linears whose input a ditops op produces as FP8 rows (a norm with FP8
+output, the GELU + quantisation of an MLP) and wires them to it; ``replace_rest`` replaces the
+others, which quantise their own input (``quantize_fp8``, one pass). The bf16 Linears are kept,
+moved to host memory: the GPU holds the FP8 weights alone (about half the bytes), and
+``remove`` moves each back and puts it where it was, so the model has its exact bits again.
+The report lists every Linear and how it runs.
 """
 
 from __future__ import annotations
@@ -55,12 +56,22 @@ def replace_linear(patches: list, report: Report, parent: torch.nn.Module, name:
     return True
 
 
-def list_linears(model: torch.nn.Module, report: Report, reasons: dict) -> None:
-    """Adds every Linear of ``model`` that stayed bf16 to the report, with the first reason
-    of ``reasons`` (a name fragment -> why) that its path contains, or the default."""
-    listed = {path for path, _ in report.linears}
-    for path, module in model.named_modules():
-        if type(module) is torch.nn.Linear and path not in listed:
-            why = next((text for fragment, text in reasons.items() if fragment in path),
-                       "its input comes from no ditops op with FP8 output")
-            report.linears.append((path, f"bf16: {why}"))
+EMBEDDERS = "embed"  # a path holding this names a timestep, text or patch embedder
+
+
+def replace_rest(model: torch.nn.Module, patches: list, report: Report, fp8_dtype) -> None:
+    """Every Linear of ``model`` not replaced yet -> its Float8Linear, which quantises its own
+    input per row (one ``quantize_fp8`` pass), but the embedders' (they run once per forward
+    on a few rows, and diffusers casts their input to their parameters' dtype: Wan's time
+    embedder); the report says why where one stays bf16."""
+    done = {path for path, _ in report.linears}
+    parents = dict(model.named_modules())
+    for path, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or path in done:
+            continue
+        if EMBEDDERS in path:
+            report.linears.append((path, "bf16: an embedder (once per forward, few rows; diffusers reads its dtype)"))
+        else:
+            parent_path, _, name = path.rpartition(".")
+            if replace_linear(patches, report, parents[parent_path], name, path, fp8_dtype):
+                report.linears[-1] = (path, report.linears[-1][1] + ", quantises its own input")

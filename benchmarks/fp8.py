@@ -1,0 +1,172 @@
+"""Model-level FP8: ditops' ``apply(model, quantize="fp8")`` against diffusers in bf16 and
+torchao's FP8 (dynamic per-row activations, per-channel weights), on the GPU, random weights.
+
+The models and their chained blocks are benchmarks/models.py's. Three copies of each are built
+from one seed and fed the same inputs: diffusers as is (bf16), torchao's
+``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` applied with ``quantize_``
+(every Linear, as a user would apply it), and ditops FP8. Per model, resolution and mode
+(``eager``, ``compile``, ``reduce-overhead``): the time per forward of each (``bf16_ms``,
+``torchao_ms``, ``ditops_ms``; bf16 in the same mode), their ratios, each FP8 output's relative
+L2 error against diffusers' bf16 eager output, the first call's time of each compiled FP8 model
+(``compile_s_*``, compile caches emptied before) and the bytes of the blocks' weights on the
+GPU. A time is the median of ``--rounds`` rounds, the three ways taking turns going first; a
+round is the median of 5 CUDA-event timings after warm-up.
+
+Writes benchmarks/results/fp8_<GPU>_<date>.json: {"device", "rows": [...]}.
+Usage: python benchmarks/fp8.py [--output FILE] [--models flux ...] [--modes ...]
+       python benchmarks/fp8.py --table FILE   # the README's table of a results file
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch: first calls compile from scratch
+
+import torch
+
+import models
+from ditops.integrations import diffusers as integration
+
+WAYS = ("bf16", "torchao", "ditops")
+FP8_MODELS = ("flux",)  # the families with an FP8 path in ditops
+
+
+def _torchao(model) -> None:
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers on the GPU (torchao's FP8 weights are tensor
+    subclasses: their data and scales are counted through their inner tensors)."""
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if not tensor.is_cuda:
+            continue
+        inner = getattr(tensor, "__tensor_flatten__", None)
+        if inner is not None:
+            names, _ = tensor.__tensor_flatten__()
+            total += sum(getattr(tensor, name).numel() * getattr(tensor, name).element_size() for name in names)
+        else:
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _first_call_s(function, way: str, mode: str) -> float:
+    """The first call's seconds, Triton's kernel cache a new folder per way and mode (Inductor's
+    caches are off for the whole run: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, set by main)."""
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton-{way}-{mode}-")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    function()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(name: str, resolution, modes: list, blocks: int, rounds: int, ways: tuple = WAYS):
+    """Yields a row per mode as soon as it is measured; a way left out of ``ways`` is built and
+    run eagerly once (its bf16 eager output is every row's reference) but not timed."""
+    built, steps = {}, {}
+    for way in WAYS:
+        model, prepare = models.build(name, resolution)
+        if way == "torchao":
+            _torchao(model)
+        elif way == "ditops":
+            integration.apply(model, quantize="fp8")
+        torch.manual_seed(1)
+        built[way], steps[way] = model, prepare(model)
+        print(f"  built {name} {resolution} {way}", flush=True)
+    weight_bytes = {way: _weight_bytes(built[way]) for way in WAYS}
+    samples, outputs, first_call = {}, {}, {}
+    for mode in modes:
+        forwards = {}
+        with torch.no_grad():
+            if "bf16" not in ways:
+                outputs["bf16", "eager"] = models._forward("eager", *steps["bf16"], blocks)()[0].float().clone()
+            for way in ways:
+                torch._dynamo.reset()
+                step, state = steps[way]
+                forwards[way] = models._forward(mode, step, state, blocks)
+                first_call[way, mode] = _first_call_s(forwards[way], way, mode)
+                print(f"  {mode} {way}: first call {first_call[way, mode]:.1f} s", flush=True)
+                outputs[way, mode] = forwards[way]()[0].float().clone()
+            for turn in range(rounds):
+                order = ways[turn % len(ways):] + ways[:turn % len(ways)]
+                for way in order:
+                    samples.setdefault((way, mode), []).append(models.time_ms(forwards[way]))
+        expected = outputs["bf16", "eager"] if ("bf16", "eager") in outputs else outputs["bf16", mode]
+        ms = {way: statistics.median(samples[way, mode]) if (way, mode) in samples else None for way in WAYS}
+        error = {way: ((outputs[way, mode] - expected).norm() / expected.norm()).item() if (way, mode) in outputs
+                 else None for way in WAYS}
+        ratio = lambda way: ms[way] / ms["ditops"] if ms[way] is not None else None  # noqa: E731
+        row = dict(model=name, resolution=str(resolution), mode=mode, blocks=blocks,
+                   bf16_ms=ms["bf16"], torchao_ms=ms["torchao"], ditops_ms=ms["ditops"],
+                   speedup_vs_bf16=ratio("bf16"), speedup_vs_torchao=ratio("torchao"),
+                   rel_err_ditops=error["ditops"], rel_err_torchao=error["torchao"], rel_err_bf16=error["bf16"],
+                   weight_bytes_bf16=weight_bytes["bf16"], weight_bytes_ditops=weight_bytes["ditops"],
+                   weight_bytes_torchao=weight_bytes["torchao"],
+                   rounds_ms={way: samples[way, mode] for way in ways})
+        if mode != "eager":
+            row.update({f"compile_s_{way}": first_call.get((way, mode)) for way in WAYS})
+        yield row
+
+
+def table(path: Path) -> str:
+    """The README's table of a results file."""
+    lines = ["| model | resolution | mode | bf16 (ms) | torchao FP8 (ms) | ditops FP8 (ms) | vs bf16 | vs torchao "
+             "| rel_err ditops (torchao) | first call s, ditops (torchao) | weights vs bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in json.loads(path.read_text())["rows"]:
+        first = (f"{row['compile_s_ditops']:.0f} ({row['compile_s_torchao']:.0f})" if "compile_s_ditops" in row else "")
+        lines.append(
+            f"| {row['model']} | {row['resolution']} | {row['mode']} | {row['bf16_ms']:.2f} | {row['torchao_ms']:.2f} | "
+            f"{row['ditops_ms']:.2f} | {row['speedup_vs_bf16']:.3f}x | {row['speedup_vs_torchao']:.3f}x | "
+            f"{row['rel_err_ditops']:.1e} ({row['rel_err_torchao']:.1e}) | {first} | "
+            f"{row['weight_bytes_ditops'] / row['weight_bytes_bf16']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", type=Path, help="print the markdown table of a results file and exit")
+    parser.add_argument("--output", help="JSON file (default: benchmarks/results/fp8_<GPU>_<date>.json)")
+    parser.add_argument("--models", nargs="+", default=list(FP8_MODELS), choices=list(FP8_MODELS))
+    parser.add_argument("--resolutions", nargs="+", help="only these resolutions (e.g. 1024)")
+    parser.add_argument("--modes", nargs="+", default=list(models.COMPILE), choices=list(models.COMPILE))
+    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS), help="the ways timed")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks chained back to back in one forward")
+    parser.add_argument("--rounds", type=int, default=3, help="timings of each way per mode, taking turns going first")
+    options = parser.parse_args()
+    if options.table:
+        print(table(options.table))
+        return
+    device = torch.cuda.get_device_name()
+    short = device.split()[1] if len(device.split()) > 1 else device
+    output = Path(options.output or Path(__file__).parent / "results" / f"fp8_{short}_{datetime.date.today()}.json")
+    import torchao
+
+    document = dict(device=device, torch=torch.__version__, torchao=torchao.__version__, date=str(datetime.date.today()),
+                    rows=[])
+    for name in options.models:
+        for resolution in models.RESOLUTIONS[name]:
+            if options.resolutions and str(resolution) not in options.resolutions:
+                continue
+            for row in measure(name, resolution, options.modes, options.blocks, options.rounds, tuple(options.ways)):
+                document["rows"].append(row)
+                output.write_text(json.dumps(document, indent=1) + "\n")
+                print(json.dumps({key: value for key, value in row.items() if key != "rounds_ms"}), flush=True)
+            output.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()
