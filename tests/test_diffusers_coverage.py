@@ -289,3 +289,87 @@ def test_a_wan_block_with_another_forward_is_left_alone_and_reported():
     report = assert_patched_matches(model, inputs, 2, 2 * 4 - 3, WAN_OPS)
     assert report.skipped == ["blocks.1: Altered has Wan's block layout but another forward; its norms stay as "
                               "diffusers wrote them"]
+
+
+# ----- SD3 / SD3.5 -------------------------------------------------------------------------------
+
+
+def tiny_sd3(sd35=False):
+    """SD3, or SD3.5 (per-head q/k RMSNorm; the first block with SD3.5 Medium's dual attention).
+    The last block's text stream ends at its attention (context_pre_only)."""
+    model = built(diffusers.SD3Transformer2DModel, sample_size=8, patch_size=2, in_channels=4, num_layers=2,
+                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=32,
+                  pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8,
+                  qk_norm="rms_norm" if sd35 else None, dual_attention_layers=(0,) if sd35 else ())
+    generator = torch.Generator().manual_seed(1)
+    return model, dict(hidden_states=torch.randn(2, 4, 8, 8, generator=generator),
+                       encoder_hidden_states=torch.randn(2, 5, 16, generator=generator),
+                       pooled_projections=torch.randn(2, 16, generator=generator), timestep=torch.tensor([10.0, 600.0]))
+
+
+def test_sd3_patched_matches_diffusers_and_remove_restores_it():
+    model, inputs = tiny_sd3()
+    # per block: norm1, norm1_context, the block's residual norms; SD3's attention has nothing to fuse
+    report = assert_patched_matches(model, inputs, 2, 2 * 3, {"norm_scale_shift", "residual_norm_scale_shift"})
+    assert report.skipped == [f"transformer_blocks.{i}.attn: no q/k norm (SD3); attention stays as diffusers wrote it"
+                              for i in range(2)]
+
+
+def test_sd35_patched_matches_diffusers_and_remove_restores_it():
+    model, inputs = tiny_sd3(sd35=True)
+    # per block: norm1, norm1_context, the block's residual norms, attn; the first block's attn2
+    report = assert_patched_matches(model, inputs, 2, 2 * 4 + 1,
+                                    {"norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift (rms)"})
+    assert not report.skipped
+
+
+def test_sd35_runs_the_ops(monkeypatch):
+    model, inputs = tiny_sd3(sd35=True)
+    integration.apply(model)
+    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "residual_norm_scale_shift"))
+    run(model, inputs)
+    # block 0: norm1 modulated twice (dual attention), norm1_context, q/k/added q/k, attn2's q/k; two residual norms
+    # block 1: norm1, norm1_context (continuous), q/k/added q/k; one residual norm (its text stream ends)
+    assert sorted(calls) == sorted(["norm_scale_shift"] * (2 + 1 + 4 + 2 + 1 + 1 + 4) + ["residual_norm_scale_shift"] * 3)
+
+
+def test_sd3_block_with_an_affine_norm2_is_left_alone_and_reported():
+    model, inputs = tiny_sd3(sd35=True)
+    block = model.transformer_blocks[0]
+    block.norm2 = torch.nn.LayerNorm(block.norm2.normalized_shape, eps=1e-6)
+    torch.nn.init.normal_(block.norm2.weight)
+    report = assert_patched_matches(model, inputs, 2, 2 * 4 + 1 - 3,
+                                    {"norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift (rms)"})
+    assert report.skipped == ["transformer_blocks.0: another block type, or norms with affine parameters or of "
+                              "another type"]
+
+
+# ----- bfloat16: every family above within the documented bound ----------------------------------
+
+BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
+            "sd3": tiny_sd3, "sd3.5": lambda: tiny_sd3(sd35=True)}
+
+
+def bfloat16(value, name=""):
+    """Activations and conditions in bfloat16; position ids and timesteps as the pipelines pass them."""
+    if isinstance(value, list):
+        return [bfloat16(item) for item in value]
+    if torch.is_tensor(value) and value.is_floating_point() and name not in ("img_ids", "txt_ids", "timestep"):
+        return value.to(torch.bfloat16)
+    return value
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_bfloat16_patched_within_the_documented_bound(name):
+    """docs/ops.md: atol = rtol = 1.6e-2 and a relative error of the whole tensor of at most
+    4 eps, per block the signal goes through (at most 4 here)."""
+    model, inputs = BUILDERS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
+        model = model.to(torch.bfloat16)
+    inputs = {key: bfloat16(value, key) for key, value in inputs.items()}
+    expected = run(model, inputs)
+    integration.apply(model)
+    patched = run(model, inputs)
+    torch.testing.assert_close(patched, expected, atol=1.6e-2 * 4, rtol=1.6e-2 * 4)
+    assert (patched - expected).norm() / expected.norm() <= 4 * torch.finfo(torch.bfloat16).eps * 4

@@ -217,13 +217,12 @@ def test_wan_runs_the_norm_ops_on_q_k_and_both_residuals(monkeypatch):
 
 
 def test_an_unsupported_model_is_left_untouched_with_one_warning():
-    model = diffusers.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
-                                            num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
-                                            pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8)
+    model = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
+                                            sample_size=8)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    with pytest.warns(UserWarning, match="left the model untouched: SD3Transformer2DModel: not a supported model") as caught:
+    with pytest.warns(UserWarning, match="left the model untouched: DiTTransformer2DModel: not a supported model") as caught:
         report = integration.apply(model)
-    assert len(caught) == 1 and report.replaced == [] and "SD3Transformer2DModel" in report.skipped[0]
+    assert len(caught) == 1 and report.replaced == [] and "DiTTransformer2DModel" in report.skipped[0]
     assert not hasattr(model, "_ditops_patches") and all(torch.equal(state[n], t) for n, t in model.state_dict().items())
 
 

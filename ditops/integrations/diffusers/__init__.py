@@ -7,16 +7,16 @@ returns a report of what it replaced and what it skipped. ``remove`` restores wh
 op covers stays as diffusers wrote it. Supported (diffusers 0.42): FLUX.1 (``flux``), Chroma
 (``chroma``), the FLUX.1 copies LongCat-Image, Ovis-Image, Bria 3.2 and FIBO (``flux_clones``),
 Wan 2.1/2.2, Wan-VACE, Wan-Animate, ChronoEdit and SkyReels-V2 (``wan``, whose blocks are
-matched by their code), Qwen-Image and Qwen-Image-Edit (``qwen_image``), Z-Image (``z_image``);
-each module says what it replaces. Any other model class, or another diffusers version, is left
-untouched with one warning.
+matched by their code), SD3 and SD3.5 (``sd3``), Qwen-Image and Qwen-Image-Edit
+(``qwen_image``), Z-Image (``z_image``); each module says what it replaces. Any other model
+class, or another diffusers version, is left untouched with one warning.
 
 Works with diffusers' deployment features in any order with ``apply`` (``patching`` says how):
 context parallelism (``enable_parallelism``, Ulysses and ring), every ``ModelHook``, group
 offloading, layerwise casting, model and sequential CPU offload, regional compilation
 (``compile_repeated_blocks``) and ``torch.compile`` of the whole model.
 
-Modules: ``api`` (apply, remove) over ``flux``, ``chroma``, ``flux_clones``, ``wan``,
+Modules: ``api`` (apply, remove) over ``flux``, ``chroma``, ``flux_clones``, ``wan``, ``sd3``,
 ``qwen_image``, ``z_image`` (one per model family), which stand on ``patching`` (where and how a
 forward or processor is replaced) and ``report``.
 """

@@ -1,0 +1,175 @@
+"""Stable Diffusion 3 / 3.5 (``SD3Transformer2DModel``) under ditops.
+
+- The AdaLN-Zero modulations of every ``JointTransformerBlock`` -> ``norm_scale_shift``:
+  ``AdaLayerNormZero`` (FLUX's forward, flux.py), SD3.5's ``SD35AdaLayerNormZeroX`` (two
+  modulations of one LayerNorm, for the block's two attentions: two ``norm_scale_shift``), and
+  the last block's ``AdaLayerNormContinuous`` on the text stream.
+- The gated residual add of the attention output (with SD3.5's dual attention, of the second
+  attention's) followed by ``norm2`` and its modulation -> ``residual_norm_scale_shift``, on
+  the image stream and, but in the last block, on the text stream.
+- SD3.5's per-head q/k RMSNorms (``qk_norm="rms_norm"``, diffusers' RMSNorm over head_dim, text
+  and image weights apart) -> ``norm_scale_shift`` (norm="rms", no modulation) on the [B, S*H, Dh]
+  view of each projection. SD3 has no q/k norm and no RoPE: its attention stays as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import ops
+from . import flux, patching
+
+
+def _ada_layer_norm_zero_x_forward(self, hidden_states, emb=None):
+    """diffusers' SD35AdaLayerNormZeroX: nine modulation chunks of one linear layer; LayerNorm(x)
+    modulated once for the first attention and once for the second."""
+    if patching.hooked(self, ("norm",)):
+        return type(self).forward(self, hidden_states, emb)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = self.linear(
+        self.silu(emb)).chunk(9, dim=1)
+    eps = self.norm.eps
+    return (ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=eps), gate_msa, shift_mlp, scale_mlp,
+            gate_mlp, ops.norm_scale_shift(hidden_states, scale_msa2, shift_msa2, eps=eps), gate_msa2)
+
+
+def _ada_layer_norm_continuous_forward(self, x, conditioning_embedding):
+    """diffusers' AdaLayerNormContinuous: scale, then shift (FLUX's chunks come the other way
+    round), from one linear layer in x's dtype."""
+    if patching.hooked(self, ("norm",)):
+        return type(self).forward(self, x, conditioning_embedding)
+    scale, shift = self.linear(self.silu(conditioning_embedding).to(x.dtype)).chunk(2, dim=1)
+    return ops.norm_scale_shift(x, scale, shift, eps=self.norm.eps)
+
+
+def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
+    """diffusers' JointTransformerBlock with each "residual + gate * attention, then norm2 and its
+    modulation" as one residual_norm_scale_shift. With dual attention the first attention's
+    gated add stays a torch add and the second's is fused. Chunked feed-forward
+    (``set_chunk_feed_forward``) runs diffusers' code."""
+    if self._chunk_size is not None or patching.hooked(self, ("norm2",) if self.context_pre_only
+                                                       else ("norm2", "norm2_context")):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    if self.use_dual_attention:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = self.norm1(
+            hidden_states, emb=temb)
+    else:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    if self.context_pre_only:
+        norm_context = self.norm1_context(encoder_hidden_states, temb)
+    else:
+        norm_context, context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb)
+    attention, context_attention = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
+                                             **joint_attention_kwargs)
+    if self.use_dual_attention:
+        hidden_states = hidden_states + gate_msa.unsqueeze(1) * attention
+        attention, gate_msa = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs), gate_msa2
+
+    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
+        attention, hidden_states, gate_msa, scale_mlp, shift_mlp, eps=self.norm2.eps)
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
+    if self.context_pre_only:
+        return None, hidden_states
+
+    norm_context, encoder_hidden_states = ops.residual_norm_scale_shift(
+        context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
+        eps=self.norm2_context.eps)
+    encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
+    return encoder_hidden_states, hidden_states
+
+
+def _heads(x, heads):
+    """[B, S, H*Dh] -> [B, H, S, Dh], the layout diffusers hands attention."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def _rms_per_head(x, norm, heads):
+    """diffusers' RMSNorm over head_dim of a [B, S, H*Dh] projection, as norm_scale_shift on
+    its [B, S*H, Dh] view."""
+    no_modulation = x.new_zeros(())
+    rows = ops.norm_scale_shift(x.reshape(x.shape[0], -1, x.shape[-1] // heads), no_modulation, no_modulation,
+                                weight=norm.weight, norm="rms", eps=norm.eps)
+    return _heads(rows.view(x.shape), heads)
+
+
+class SD3QKNormProcessor(patching.DitopsProcessor):
+    """diffusers' JointAttnProcessor2_0 with SD3.5's per-head q/k RMSNorms as norm_scale_shift
+    (norm="rms"). Like the processor it replaces it calls torch's scaled_dot_product_attention
+    (no diffusers attention backend); calls with a mask or extra arguments (which that processor
+    ignores), and norm weights of another dtype than the projections (diffusers' RMSNorm then
+    returns the weights' dtype), go to the original."""
+
+    bypassed = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        bypassed = self.bypassed if encoder_hidden_states is not None else self.bypassed[:2]
+        if (attention_mask is not None or args or kwargs or patching.hooked(attn, bypassed)
+                or any(getattr(attn, name).weight.dtype != hidden_states.dtype for name in bypassed)):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        heads, image_tokens = attn.heads, hidden_states.shape[1]
+        query = _rms_per_head(attn.to_q(hidden_states), attn.norm_q, heads)
+        key = _rms_per_head(attn.to_k(hidden_states), attn.norm_k, heads)
+        value = _heads(attn.to_v(hidden_states), heads)
+        if encoder_hidden_states is not None:
+            query = torch.cat([query, _rms_per_head(attn.add_q_proj(encoder_hidden_states), attn.norm_added_q, heads)],
+                              dim=2)
+            key = torch.cat([key, _rms_per_head(attn.add_k_proj(encoder_hidden_states), attn.norm_added_k, heads)],
+                            dim=2)
+            value = torch.cat([value, _heads(attn.add_v_proj(encoder_hidden_states), heads)], dim=2)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return attn.to_out[1](attn.to_out[0](out))
+        out, context_out = out[:, :image_tokens], out[:, image_tokens:]
+        if not attn.context_pre_only:
+            context_out = attn.to_add_out(context_out)
+        return attn.to_out[1](attn.to_out[0](out)), context_out
+
+
+def _attention_supported(attn) -> bool:
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+    from diffusers.models.normalization import RMSNorm
+
+    names = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.added_kv_proj_dim is not None else ())
+    return type(attn.processor) is JointAttnProcessor2_0 and all(
+        type(getattr(attn, name)) is RMSNorm and getattr(attn, name).weight is not None
+        and getattr(attn, name).bias is None for name in names)
+
+
+def _block_supported(block) -> bool:
+    from diffusers.models.attention import JointTransformerBlock
+    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, SD35AdaLayerNormZeroX
+
+    norm1 = SD35AdaLayerNormZeroX if block.use_dual_attention else AdaLayerNormZero
+    context_norm1 = AdaLayerNormContinuous if block.context_pre_only else AdaLayerNormZero
+    norm2s = (block.norm2,) if block.context_pre_only else (block.norm2, block.norm2_context)
+    return (type(block) is JointTransformerBlock and type(block.norm1) is norm1
+            and patching.plain_layer_norm(block.norm1.norm) and type(block.norm1_context) is context_norm1
+            and patching.plain_layer_norm(block.norm1_context.norm) and all(map(patching.plain_layer_norm, norm2s)))
+
+
+def patch(model, patches: list, report) -> None:
+    for index, block in enumerate(model.transformer_blocks):
+        path = f"transformer_blocks.{index}"
+        if not _block_supported(block):
+            report.skipped.append(f"{path}: another block type, or norms with affine parameters or of another type")
+        else:
+            norm1 = _ada_layer_norm_zero_x_forward if block.use_dual_attention else flux._ada_layer_norm_zero_forward
+            context_norm1 = (_ada_layer_norm_continuous_forward if block.context_pre_only
+                             else flux._ada_layer_norm_zero_forward)
+            for name, forward in (("norm1", norm1), ("norm1_context", context_norm1)):
+                if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}", forward):
+                    report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
+            if patching.replace_forward(patches, report, block, path, _joint_block_forward):
+                norm2s = f"{path}.norm2" + ("" if block.context_pre_only else f", {path}.norm2_context")
+                report.replaced.append((norm2s, "residual_norm_scale_shift"))
+        for name in ("attn", "attn2"):
+            attention = getattr(block, name)
+            if attention is None:
+                continue
+            if attention.norm_q is None:  # SD3: nothing of its attention is ditops'
+                report.skipped.append(f"{path}.{name}: no q/k norm (SD3); attention stays as diffusers wrote it")
+                continue
+            patching.replace_processor(patches, report, attention, f"{path}.{name}", _attention_supported(attention),
+                                       SD3QKNormProcessor, "norm_scale_shift (rms)")
