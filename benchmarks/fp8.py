@@ -125,13 +125,17 @@ def table(path: Path) -> str:
     lines = ["| model | resolution | mode | bf16 (ms) | torchao FP8 (ms) | ditops FP8 (ms) | vs bf16 | vs torchao "
              "| rel_err ditops (torchao) | first call s, ditops (torchao) | weights vs bf16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def shown(value, form: str) -> str:  # a way left out of the run: "-"
+        return "-" if value is None else format(value, form)
+
     for row in json.loads(path.read_text())["rows"]:
-        first = (f"{row['compile_s_ditops']:.0f} ({row['compile_s_torchao']:.0f})" if "compile_s_ditops" in row else "")
+        first = (f"{shown(row['compile_s_ditops'], '.0f')} ({shown(row['compile_s_torchao'], '.0f')})"
+                 if "compile_s_ditops" in row else "")
         lines.append(
-            f"| {row['model']} | {row['resolution']} | {row['mode']} | {row['bf16_ms']:.2f} | {row['torchao_ms']:.2f} | "
-            f"{row['ditops_ms']:.2f} | {row['speedup_vs_bf16']:.3f}x | {row['speedup_vs_torchao']:.3f}x | "
-            f"{row['rel_err_ditops']:.1e} ({row['rel_err_torchao']:.1e}) | {first} | "
-            f"{row['weight_bytes_ditops'] / row['weight_bytes_bf16']:.2f} |")
+            f"| {row['model']} | {row['resolution']} | {row['mode']} | {shown(row['bf16_ms'], '.2f')} | "
+            f"{shown(row['torchao_ms'], '.2f')} | {row['ditops_ms']:.2f} | {shown(row['speedup_vs_bf16'], '.3f')}x | "
+            f"{shown(row['speedup_vs_torchao'], '.3f')}x | {row['rel_err_ditops']:.1e} "
+            f"({shown(row['rel_err_torchao'], '.1e')}) | {first} | {row['weight_bytes_ditops'] / row['weight_bytes_bf16']:.2f} |")
     return "\n".join(lines)
 
 

@@ -96,6 +96,9 @@ def backend_module(tmp_path, monkeypatch):
         ("ops: [reference]\n", ["ops", "got list"]),
         ("- reference\n", ["the document", "got list"]),
         ("7: x\n", ["unknown top-level keys [7]"]),
+        ("fp8_formats:\n  sm89: [float8_e4m3fn]\n", ["fp8_formats.sm89", "wanted sm_<number> or an AMD gfx arch"]),
+        ("fp8_formats:\n  sm_89: [float16]\n", ["fp8_formats.sm_89", "wanted FP8 torch dtype names"]),
+        ("fp8_formats:\n  gfx942: float8_e4m3fnuz\n", ["fp8_formats.gfx942", "wanted a list of FP8 dtype names"]),
         ("backends:\n  mine: {module: os, constraints: {devices: cuda}}\n", ["backends.mine.constraints", "constraint devices: got 'cuda'"]),
         ("backends:\n  mine: {module: os, constraints: [devices]}\n", ["backends.mine.constraints", "got list"]),
         ("backends:\n  mine: {module: os, description: [a]}\n", ["backends.mine.description", "got list"]),
@@ -259,3 +262,19 @@ def test_explain_cites_the_preferences_rows():
     assert text.startswith("cuda goes first here, measured: ditops bench benchmarks/results/")
     for row in preference.evidence:
         assert f"{row.file}: {row.model} {row.shape} {row.dtype} (cuda vs triton)" in text
+
+
+def test_a_config_file_may_give_a_device_its_fp8_formats(tmp_path):
+    import torch
+
+    from ditops.dispatch import DeviceInfo, fp8_dtypes, load_config, reset
+
+    gfx1201 = DeviceInfo("rocm", "gfx1201")
+    assert fp8_dtypes(gfx1201) == ()
+    try:
+        load_config(write(tmp_path, "fp8_formats:\n  gfx1201: [float8_e4m3fn]\n"))
+        assert fp8_dtypes(gfx1201) == (torch.float8_e4m3fn,)
+        assert fp8_dtypes(DeviceInfo("cuda", "sm_90")) == (torch.float8_e4m3fn,)  # the built-in entries stay
+        assert fp8_dtypes(DeviceInfo("cuda", "sm_86")) == ()
+    finally:
+        reset()
