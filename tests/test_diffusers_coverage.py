@@ -344,10 +344,56 @@ def test_sd3_block_with_an_affine_norm2_is_left_alone_and_reported():
                               "another type"]
 
 
+# ----- FLUX.2 ------------------------------------------------------------------------------------
+
+
+def tiny_flux2():
+    model = built(diffusers.Flux2Transformer2DModel, patch_size=1, in_channels=8, num_layers=2, num_single_layers=2,
+                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16,
+                  axes_dims_rope=(4, 4, 4, 4))
+    generator = torch.Generator().manual_seed(1)
+    return model, dict(hidden_states=torch.randn(2, 12, 8, generator=generator),
+                       encoder_hidden_states=torch.randn(2, 5, 32, generator=generator),
+                       timestep=torch.rand(2, generator=generator), guidance=torch.tensor([3.5, 3.5]),
+                       img_ids=torch.randn(12, 4, generator=generator) * 8,
+                       txt_ids=torch.randn(5, 4, generator=generator) * 2)
+
+
+def test_flux2_patched_matches_diffusers_and_remove_restores_it():
+    model, inputs = tiny_flux2()
+    # per double block: norm1s, norm2s, attn; per single block: norm, attn
+    report = assert_patched_matches(model, inputs, 4, 2 * 3 + 2 * 2, FLUX_OPS)
+    assert not report.skipped
+
+
+def test_flux2_runs_the_ops(monkeypatch):
+    model, inputs = tiny_flux2()
+    integration.apply(model)
+    calls = recorded_calls(monkeypatch, sorted(FLUX_OPS))
+    run(model, inputs)
+    # double blocks: 2 modulated norms, 2 residual norms, 2 RoPE calls (text, image); single blocks: 1 + 1
+    assert sorted(calls) == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4 + ["qk_norm_rope_"] * 6)
+
+
+def test_flux2_kv_cache_processors_are_left_alone_and_reported():
+    """FLUX.2 klein's KV-cache processors look like the plain ones and attend differently
+    (reference tokens attend only to themselves): their attentions stay, the norms are patched."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor
+
+    model, inputs = tiny_flux2()
+    model.transformer_blocks[0].attn.set_processor(Flux2KVAttnProcessor())
+    model.single_transformer_blocks[1].attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    report = assert_patched_matches(model, inputs, 4, 2 * 3 + 2 * 2 - 2, FLUX_OPS)
+    assert report.skipped == [
+        "transformer_blocks.0.attn: processor Flux2KVAttnProcessor or its q/k norms are not the ones checked",
+        "single_transformer_blocks.1.attn: processor Flux2KVParallelSelfAttnProcessor or its q/k norms are not the "
+        "ones checked"]
+
+
 # ----- bfloat16: every family above within the documented bound ----------------------------------
 
 BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
-            "sd3": tiny_sd3, "sd3.5": lambda: tiny_sd3(sd35=True)}
+            "sd3": tiny_sd3, "sd3.5": lambda: tiny_sd3(sd35=True), "flux2": tiny_flux2}
 
 
 def bfloat16(value, name=""):

@@ -62,7 +62,8 @@ def _double_blocks() -> tuple:
 def _ada_layer_norm_zero(norm, single: bool) -> bool:
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
-    return type(norm) is (AdaLayerNormZeroSingle if single else AdaLayerNormZero) and patching.plain_layer_norm(norm.norm)
+    wanted = AdaLayerNormZeroSingle if single else AdaLayerNormZero
+    return type(norm) is wanted and patching.plain_layer_norm(norm.norm)
 
 
 def patch(model, patches: list, report) -> None:
@@ -70,8 +71,10 @@ def patch(model, patches: list, report) -> None:
 
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
-        if (type(block) in _double_blocks() and _ada_layer_norm_zero(block.norm1, False) and _ada_layer_norm_zero(block.norm1_context, False)
-                and patching.plain_layer_norm(block.norm2) and patching.plain_layer_norm(block.norm2_context)):
+        norm1s = (block.norm1, block.norm1_context)
+        norm2s = (block.norm2, block.norm2_context)
+        if (type(block) in _double_blocks() and all(_ada_layer_norm_zero(norm, False) for norm in norm1s)
+                and all(map(patching.plain_layer_norm, norm2s))):
             for name in ("norm1", "norm1_context"):
                 if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
                                             flux._ada_layer_norm_zero_forward):
