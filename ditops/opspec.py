@@ -123,19 +123,25 @@ def fp8_format(x: Tensor, fp8_dtype: Optional[torch.dtype]) -> Optional[torch.dt
     return next(iter(fp8_dtypes(device_of(x.get_device()))), None)
 
 
-def _fp8_arguments(op, x, fp8_dtype, static_scale) -> tuple:
-    """The FP8 output's arguments: a format the device has (registry.yaml's fp8_formats), an
-    optional one-element float32 static scale. Returns static_scale as a tensor argument."""
-    device = device_of(x.get_device())
-    formats = fp8_dtypes(device)
-    if fp8_format(x, fp8_dtype) not in formats:
-        have = ", ".join(map(str, formats)) or "none (FP8 needs NVIDIA sm_89 or newer, or AMD gfx942 or gfx950)"
-        validation.fail(op, "fp8_dtype", f"is {fp8_dtype!r} on {device}", f"an FP8 format of that device: {have}")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def _fp8_arguments(op, x, fp8_dtype, static_scale) -> dict:
+    """Checks the FP8 output's arguments (an FP8 dtype, or None where the device has a format;
+    an optional one-element float32 static scale) and returns what describe() takes of them:
+    static_scale among the tensors, the format and whether the device's hardware has it."""
+    if fp8_dtype is None and fp8_format(x, None) is None:
+        validation.fail(op, "fp8_dtype", f"is None on {device_of(x.get_device())}, which has no FP8 format",
+                        "an FP8 dtype to compute on the reference (FP8 hardware: NVIDIA sm_89+, AMD gfx942, gfx950)")
+    if fp8_dtype is not None:
+        validation.choice(op, "fp8_dtype", fp8_dtype, FP8_DTYPES)
     if static_scale is not None:
         validation.tensor(op, "static_scale", static_scale, (torch.float32, torch.float64), x.device)
         if static_scale.numel() != 1:
             validation.fail(op, "static_scale", f"has shape {list(static_scale.shape)}", "one element (a scalar tensor)")
-    return (static_scale,)
+    out_dtype = fp8_format(x, fp8_dtype)
+    return dict(params=(static_scale,), out_dtype=out_dtype,
+                out_dtype_native=out_dtype in fp8_dtypes(device_of(x.get_device())))
 
 
 def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, describe_call, extra=()) -> Optional[Features]:
@@ -144,10 +150,10 @@ def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, des
     shape = validation.rows(op, "x", x)
     forms = (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
-    extra = extra() if extra else ()
+    extra = extra() if extra else {}
     if describe_call and x.numel():
-        return describe((x,), (scale, shift, weight, bias, *extra), hidden_size=shape.hidden, batch_size=shape.batch,
-                        norm=norm, modulation=forms)
+        return describe((x,), (scale, shift, weight, bias, *extra.pop("params", ())), hidden_size=shape.hidden,
+                        batch_size=shape.batch, norm=norm, modulation=forms, **extra)
 
 
 def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_call=True) -> Optional[Features]:
@@ -168,11 +174,11 @@ def _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, wei
     gate_form = () if gate is None else (validation.modulation(op, "gate", gate, shape, device),)  # None: a gate of 1
     forms = gate_form + (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
-    extra = extra() if extra else ()
+    extra = extra() if extra else {}
     if describe_call and x.numel():
         return describe(
-            (x, residual), (gate, scale, shift, weight, bias, *extra), hidden_size=shape.hidden, batch_size=shape.batch,
-            norm=norm, modulation=forms,
+            (x, residual), (gate, scale, shift, weight, bias, *extra.pop("params", ())), hidden_size=shape.hidden,
+            batch_size=shape.batch, norm=norm, modulation=forms, **extra,
         )
 
 
@@ -201,7 +207,7 @@ def _check_quantize_fp8(x, activation, fp8_dtype, static_scale, describe_call=Tr
     validation.choice(op, "activation", activation, ACTIVATIONS)
     extra = _fp8_arguments(op, x, fp8_dtype, static_scale)
     if describe_call and x.numel():
-        return describe((x,), extra, hidden_size=shape.hidden, batch_size=shape.batch)
+        return describe((x,), extra.pop("params"), hidden_size=shape.hidden, batch_size=shape.batch, **extra)
 
 
 def _select_arguments(op, x, index, modulation, weight, bias, eps):
@@ -416,8 +422,11 @@ def _add_gate_norm_scale_inputs(spec: RowSpec, dtype, device, generator) -> dict
 
 
 def _fp8_options(spec: RowSpec, device) -> dict:
+    """The FP8 arguments: the spec's format, else the device's (e4m3fn where it has none: the
+    reference computes it, and dispatch says why the kernels refuse)."""
     static = None if spec.static_scale is None else torch.tensor(spec.static_scale, dtype=torch.float32, device=device)
-    return dict(fp8_dtype=spec.fp8_dtype, static_scale=static)
+    fp8_dtype = spec.fp8_dtype or next(iter(fp8_dtypes("cpu" if is_meta(device) else device)), torch.float8_e4m3fn)
+    return dict(fp8_dtype=fp8_dtype, static_scale=static)
 
 
 def _norm_scale_shift_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:

@@ -92,7 +92,23 @@ def test_oracle_normalises_with_the_calls_eps(op):
                             for name, value in arguments.items()}, backend="reference")
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     assert len(outputs) == len(expected)
+    if conformance.SPECS[op].quantized:  # FP8 values: within half a step of the oracle's unrounded ones
+        assert conformance.compare_fp8("y", outputs[0], expected[0]) is None
+        outputs, expected = outputs[1:], expected[1:]
     for output, oracle_output in zip(outputs, expected):
-        torch.testing.assert_close(output, oracle_output, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(output.double(), oracle_output, rtol=1e-6, atol=1e-6)
     default_eps = conformance.oracle(op, {**arguments, "eps": 1e-6}, torch.float32)
     assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(default_eps, expected))
+
+
+def test_compare_fp8_takes_the_nearest_step_and_refuses_the_next_one():
+    expected = torch.tensor([1.0, 3.3, -100.0, 0.004, float("nan")], dtype=torch.float64)
+    rounded = expected.to(torch.float8_e4m3fn)
+    assert conformance.compare_fp8("y", rounded, expected) is None
+    off = rounded.clone()
+    off[1] = 3.5  # 3.3 rounds to 3.25; 3.5 is a step further
+    assert "1 elements beyond half an FP8 step" in conformance.compare_fp8("y", off, expected)
+    unwritten = rounded.clone()
+    unwritten[4] = 0.0
+    assert "NaN in one of actual and reference" in conformance.compare_fp8("y", unwritten, expected)
+    assert "wanted [5] FP8" in conformance.compare_fp8("y", expected.float(), expected)

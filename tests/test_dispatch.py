@@ -15,6 +15,9 @@ import ditops
 from ditops import dispatch
 from ditops.dispatch import device as device_module
 from ditops.examples import example_arguments
+from ditops.opspec import SPECS
+
+KERNEL_OPS = [op for op in dispatch.OPS if not SPECS[op].quantized]  # the FP8 ops have triton alone, no cuda, rocm or toy rows
 
 BF16 = torch.bfloat16
 
@@ -368,7 +371,7 @@ SIMULATED_PICKS = {
 
 
 @pytest.mark.parametrize("arch", SIMULATED_PICKS)
-@pytest.mark.parametrize("op", dispatch.OPS)
+@pytest.mark.parametrize("op", KERNEL_OPS)
 def test_every_op_on_simulated_devices(op, arch):
     """What each op picks on NVIDIA sm_90, AMD gfx942 and AMD gfx90a, and why the others refused."""
     dispatch.load_config(TESTS / "simulated_registry.yaml")
@@ -421,6 +424,11 @@ def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason
         expected = expected["heads" if op.endswith("_") else "rows"]
         if expected == "rocm" and ROCM_REFUSAL:  # without hip-python, triton is next
             expected = "triton"
+    if SPECS[op].quantized:  # FP8 outputs: triton alone, where the device has an FP8 format
+        if expected == "rocm":
+            expected = "triton"
+        if reason is None and arch in ("sm_80", "gfx90a"):
+            expected, reason = "reference", f"needs a GPU with hardware float8_e4m3fn (fp8_formats), not {arch}"
     assert explanation.selected == expected
     refusal = {row.backend: row.refusal for row in explanation.candidates}["triton"]
     assert refusal is None if reason is None else refusal.startswith(reason)
@@ -433,7 +441,7 @@ def test_triton_refuses_rows_it_cannot_hold_in_registers():
     assert {row.backend: row.refusal for row in explanation.candidates}["triton"] == "supports D <= 16384, got D=20000"
 
 
-@pytest.mark.parametrize("op", dispatch.OPS)
+@pytest.mark.parametrize("op", KERNEL_OPS)
 def test_cuda_serves_nvidia_when_triton_is_disabled(op, tmp_path):
     """cuda is the next NVIDIA kernel backend: with triton disabled it takes every op at one
     parameter dtype, and mixed parameter dtypes fall to the reference with the reason."""
@@ -455,7 +463,7 @@ ROCM_REFUSAL = dispatch.dispatcher().registry.backends["rocm"].refusal(dispatch.
 
 @pytest.mark.skipif(bool(ROCM_REFUSAL), reason=f"rocm backend unavailable here: {ROCM_REFUSAL}")
 @pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
-@pytest.mark.parametrize("op", dispatch.OPS)
+@pytest.mark.parametrize("op", KERNEL_OPS)
 def test_rocm_serves_cdna_gpus(op, arch, rocm_6):
     """On gfx90a and gfx942 every op goes to rocm when its parameters share a dtype; rows
     with mixed parameter dtypes and misaligned views go to triton, with rocm's reason."""
@@ -482,7 +490,8 @@ def test_gfx950_goes_to_triton(op):
     with described("gfx950"):
         explanation = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
     assert explanation.selected == "triton"
-    assert refusals_of(explanation)["rocm"] == "supports AMD gfx90a, gfx942, not gfx950"
+    if op in KERNEL_OPS:
+        assert refusals_of(explanation)["rocm"] == "supports AMD gfx90a, gfx942, not gfx950"
 
 
 def refusals_of(explanation) -> dict:

@@ -74,7 +74,7 @@ def test_the_format_defaults_to_the_devices():
 
 
 @pytest.mark.parametrize("arguments, named", [
-    (dict(fp8_dtype=torch.float16), "fp8_dtype is torch.float16 on cpu"),
+    (dict(fp8_dtype=torch.float16), "fp8_dtype is torch.float16; wanted one of torch.float8_e4m3fn"),
     (dict(static_scale=torch.ones(2)), "static_scale has shape [2]"),
     (dict(static_scale=torch.ones((), dtype=torch.bfloat16)), "static_scale has dtype bfloat16"),
     (dict(activation="gelu"), "activation is 'gelu'"),
@@ -87,8 +87,13 @@ def test_bad_fp8_arguments_are_named(arguments, named):
 def test_a_device_without_fp8_is_refused_by_name():
     x = torch.randn(2, 32)
     with simulated_device("sm_80"):
-        with pytest.raises(ValueError, match=r"fp8_dtype is None on cuda sm_80.*none \(FP8 needs NVIDIA sm_89"):
+        with pytest.raises(ValueError, match=r"fp8_dtype is None on cuda sm_80 .*, which has no FP8 format; wanted an "
+                                             r"FP8 dtype to compute on the reference"):
             ditops.quantize_fp8(x)
+        explanation = ditops.explain("quantize_fp8", x, fp8_dtype=E4M3)  # the reference computes it; the kernel refuses
+        assert explanation.selected == "reference"
+        refusal = {row.backend: row.refusal for row in explanation.candidates}["triton"]
+        assert refusal == "needs a GPU with hardware float8_e4m3fn (fp8_formats), not sm_80"
         with pytest.raises(ValueError, match=r"fp8: device .* multiplies in FP8 formats: none"):
             fp8.check_device(x.device)
     with simulated_device("gfx942"):

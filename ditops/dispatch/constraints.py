@@ -140,6 +140,12 @@ def compiled_graph(wanted: bool, f: Features) -> Reason:
         return "leaves a compiled graph to Inductor's fusion of the reference math (measured faster there)"
 
 
+def fp8_output(wanted: bool, f: Features) -> Reason:
+    """An FP8 output in a format the device's hardware converts to (registry.yaml: fp8_formats)."""
+    if wanted and f.out_dtype is not None and not f.out_dtype_native:
+        return f"needs a GPU with hardware {_dtype_names([f.out_dtype])} (fp8_formats), not {f.device.arch}"
+
+
 def needs_real_device(wanted: bool, f: Features) -> Reason:
     """A backend that launches through a GPU driver cannot serve a device simulated for calls
     that run here: their tensors are in host memory (simulated_device, ditops/dispatch/device.py)."""
@@ -198,6 +204,7 @@ CHECKS: dict = {
         autograd,
         compiled_graph,
         needs_real_device,
+        fp8_output,
         min_rocm,
     )
 }
@@ -274,6 +281,7 @@ VALUE_TYPES: dict = {
     "autograd": _BOOLEAN,
     "compiled_graph": _BOOLEAN,
     "needs_real_device": _BOOLEAN,
+    "fp8_output": _BOOLEAN,
     "min_rocm": ('a mapping of AMD arch names to ROCm releases (e.g. {gfx942: "6.0"})',
                    lambda value: isinstance(value, dict) and all(_is_gfx(arch) and _is_version(version)
                                                                  for arch, version in value.items())),

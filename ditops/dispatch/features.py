@@ -6,7 +6,7 @@ cache, so a constraint can only read what the cache key holds.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -31,6 +31,8 @@ class Features(NamedTuple):
     modulation: tuple  # forms of the modulation tensors in argument order (validation.modulation)
     interleaved: bool
     traced: bool  # traced into a compiled graph (torch.compile), not called eagerly
+    out_dtype: Optional[torch.dtype] = None  # the FP8 format of an *_fp8 op's output; None: outputs like x
+    out_dtype_native: bool = True  # the device's hardware has that format (registry.yaml: fp8_formats)
 
 
 def describe(
@@ -44,6 +46,8 @@ def describe(
     norm: str = "",
     modulation: tuple = (),
     interleaved: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+    out_dtype_native: bool = True,
 ) -> Features:
     """Features of a call; ``params`` may hold None for absent optional tensors."""
     # This runs on every eager call: each tensor attribute is read once, in one loop.
@@ -94,5 +98,7 @@ def describe(
         modulation,
         interleaved,
         tracing,
+        out_dtype,
+        out_dtype_native,
     )
     return tuple.__new__(Features, fields)  # skips NamedTuple.__new__'s keyword handling: 3x faster
