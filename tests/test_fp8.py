@@ -237,3 +237,16 @@ def test_a_gpu_without_fp8_refuses_quantize_before_patching_anything():
         with pytest.raises(ValueError, match="multiplies in FP8 formats: none"):
             integration.apply(model, quantize="fp8")
     assert getattr(model, "_ditops_patches", None) is None
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["qwen-image", "qwen-image-edit"])
+def test_qwen_image_norms_feed_their_projections_fp8_rows(edit, monkeypatch):
+    """Qwen-Image: both streams' norms give FP8 rows; Qwen-Image-Edit's image stream runs the
+    select forms, which give bf16 (no FP8 select op), so only its text stream does."""
+    model, inputs, _ = tiny_qwen(torch.bfloat16, edit=edit)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    blocks = 2
+    assert calls.count("norm_scale_shift_fp8") == blocks * (1 if edit else 2)
+    assert calls.count("residual_norm_scale_shift_fp8") == blocks * (1 if edit else 2)

@@ -247,14 +247,20 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> None:
         quantize.replace_linear(patches, report, attention, name, f"{path}.attn.{name}", fp8_dtype)
     quantize.replace_linear(patches, report, attention.to_out, "0", f"{path}.attn.to_out.0", fp8_dtype)
     for name in ("ff", "ff_context"):
-        ff = getattr(block, name)
-        if not _gelu_tanh_feed_forward(ff):
-            report.skipped.append(f"{path}.{name}: not FLUX's GELU-tanh FeedForward; its Linears stay bf16")
-            continue
-        quantize.replace_linear(patches, report, ff.net[0], "proj", f"{path}.{name}.net.0.proj", fp8_dtype)
-        quantize.replace_linear(patches, report, ff.net, "2", f"{path}.{name}.net.2", fp8_dtype)
-        if patching.replace_forward(patches, report, ff, f"{path}.{name}", _feed_forward_fp8):
-            report.replaced.append((f"{path}.{name}", "quantize_fp8 (GELU)"))
+        quantize_feed_forward(getattr(block, name), f"{path}.{name}", patches, report, fp8_dtype)
+
+
+def quantize_feed_forward(ff, path, patches, report, fp8_dtype) -> None:
+    """A GELU-tanh FeedForward (FLUX's, Qwen-Image's): FP8 up and down projections with the GELU
+    and the quantisation of the hidden state between them as one quantize_fp8; another kind is
+    left to quantize.replace_rest."""
+    if not _gelu_tanh_feed_forward(ff):
+        report.skipped.append(f"{path}: not a GELU-tanh FeedForward; its Linears quantise their own input")
+        return
+    quantize.replace_linear(patches, report, ff.net[0], "proj", f"{path}.net.0.proj", fp8_dtype)
+    quantize.replace_linear(patches, report, ff.net, "2", f"{path}.net.2", fp8_dtype)
+    if patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
+        report.replaced.append((path, "quantize_fp8 (GELU)"))
 
 
 def _quantize_single_block(block, path, patches, report, fp8_dtype) -> None:

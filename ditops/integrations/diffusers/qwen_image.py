@@ -7,6 +7,12 @@
   on the frequencies ``pos_embed`` hands the block, one row per token of each stream. Under
   context parallelism the plan splits both ``pos_embed`` outputs along the sequence with the
   streams, so the tables are this shard's and its tokens start at row 0 (no offset).
+
+With ``quantize="fp8"`` (quantize.py) the norms without ``modulate_index`` give FP8 rows
+(``norm_scale_shift_fp8``, ``residual_norm_scale_shift_fp8``) to the projections they feed
+(q/k/v, the MLPs' up projections), each MLP's GELU and quantisation are one ``quantize_fp8``
+(flux.py's FeedForward forward); the select forms (Qwen-Image-Edit's image stream) give bf16,
+which their projections quantise.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from . import patching
+from ...fp8 import Float8Rows
+from . import flux, patching, quantize
 
 
 def _halves(t: torch.Tensor) -> tuple:
@@ -22,62 +29,82 @@ def _halves(t: torch.Tensor) -> tuple:
     return t[: t.shape[0] // 2], t[t.shape[0] // 2:]
 
 
-def _first_norm(x, modulation, index, eps):
-    """LayerNorm(x) with the (shift, scale, gate) rows of ``modulation``: (modulated, gate).
-    With a per-token index, the select form: gate is then per token, [B, S, D]."""
-    shift, scale, gate = modulation.chunk(3, dim=-1)
-    if index is None:
-        return ops.norm_scale_shift(x, scale, shift, eps=eps), gate.unsqueeze(1)
-    (scale0, scale1), (shift0, shift1), (gate0, gate1) = _halves(scale), _halves(shift), _halves(gate)
-    return ops.norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1, eps=eps)
+def _first_norm_of(fp8: bool):
+    def first_norm(x, modulation, index, eps):
+        """LayerNorm(x) with the (shift, scale, gate) rows of ``modulation``: (modulated, gate).
+        With a per-token index, the select form: gate is then per token, [B, S, D]."""
+        shift, scale, gate = modulation.chunk(3, dim=-1)
+        if index is None and fp8:
+            return Float8Rows(*ops.norm_scale_shift_fp8(x, scale, shift, eps=eps)), gate.unsqueeze(1)
+        if index is None:
+            return ops.norm_scale_shift(x, scale, shift, eps=eps), gate.unsqueeze(1)
+        (scale0, scale1), (shift0, shift1), (gate0, gate1) = _halves(scale), _halves(shift), _halves(gate)
+        return ops.norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1, eps=eps)
+
+    return first_norm
 
 
-def _second_norm(attention, residual, first_gate, modulation, index, eps):
-    """residual + first_gate * attention, stored, then its modulated LayerNorm:
-    (modulated, new residual, gate for the MLP)."""
-    shift, scale, gate = modulation.chunk(3, dim=-1)
-    if index is None:
-        modulated, residual = ops.residual_norm_scale_shift(attention, residual, first_gate.squeeze(1), scale, shift, eps=eps)
-        return modulated, residual, gate.unsqueeze(1)
-    (scale0, scale1), (shift0, shift1), (gate0, gate1) = _halves(scale), _halves(shift), _halves(gate)
-    return ops.residual_norm_scale_shift_select(attention, residual, first_gate, index, scale0, shift0, gate0, scale1,
-                                                shift1, gate1, eps=eps)
+def _second_norm_of(fp8: bool):
+    def second_norm(attention, residual, first_gate, modulation, index, eps):
+        """residual + first_gate * attention, stored, then its modulated LayerNorm:
+        (modulated, new residual, gate for the MLP)."""
+        shift, scale, gate = modulation.chunk(3, dim=-1)
+        if index is None and fp8:
+            y, y_scale, residual = ops.residual_norm_scale_shift_fp8(attention, residual, first_gate.squeeze(1), scale,
+                                                                     shift, eps=eps)
+            return Float8Rows(y, y_scale), residual, gate.unsqueeze(1)
+        if index is None:
+            modulated, residual = ops.residual_norm_scale_shift(attention, residual, first_gate.squeeze(1), scale, shift,
+                                                                eps=eps)
+            return modulated, residual, gate.unsqueeze(1)
+        (scale0, scale1), (shift0, shift1), (gate0, gate1) = _halves(scale), _halves(shift), _halves(gate)
+        return ops.residual_norm_scale_shift_select(attention, residual, first_gate, index, scale0, shift0, gate0, scale1,
+                                                    shift1, gate1, eps=eps)
+
+    return second_norm
 
 
-def _block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                   image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
-    """diffusers' QwenImageTransformerBlock with its modulated norms as norm_scale_shift and
-    residual_norm_scale_shift (their select forms with modulate_index). Attention and MLPs
-    stay as diffusers wrote them."""
-    if patching.hooked(self, ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                                  image_rotary_emb, joint_attention_kwargs, modulate_index)
-    image_modulation = self.img_mod(temb)
-    if self.zero_cond_t:
-        temb = torch.chunk(temb, 2, dim=0)[0]
-    text_modulation = self.txt_mod(temb)
-    image_first, image_second = image_modulation.chunk(2, dim=-1)
-    text_first, text_second = text_modulation.chunk(2, dim=-1)
-    index = None if modulate_index is None else torch.as_tensor(modulate_index, device=hidden_states.device)
-    eps = self.img_norm1.eps
+def _block_forward_of(first_norm, second_norm):
+    def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
+        """diffusers' QwenImageTransformerBlock with its modulated norms as norm_scale_shift and
+        residual_norm_scale_shift (their select forms with modulate_index). Attention and MLPs
+        stay as diffusers wrote them."""
+        if patching.hooked(self, ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                                      image_rotary_emb, joint_attention_kwargs, modulate_index)
+        image_modulation = self.img_mod(temb)
+        if self.zero_cond_t:
+            temb = torch.chunk(temb, 2, dim=0)[0]
+        text_modulation = self.txt_mod(temb)
+        image_first, image_second = image_modulation.chunk(2, dim=-1)
+        text_first, text_second = text_modulation.chunk(2, dim=-1)
+        index = None if modulate_index is None else torch.as_tensor(modulate_index, device=hidden_states.device)
+        eps = self.img_norm1.eps
 
-    image_modulated, image_gate = _first_norm(hidden_states, image_first, index, eps)
-    text_modulated, text_gate = _first_norm(encoder_hidden_states, text_first, None, eps)
-    image_attention, text_attention = self.attn(
-        hidden_states=image_modulated, encoder_hidden_states=text_modulated,
-        encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}))
-    image_modulated, hidden_states, image_gate = _second_norm(
-        image_attention, hidden_states, image_gate, image_second, index, eps)
-    text_modulated, encoder_hidden_states, text_gate = _second_norm(
-        text_attention, encoder_hidden_states, text_gate, text_second, None, eps)
-    hidden_states = hidden_states + image_gate * self.img_mlp(image_modulated)
-    encoder_hidden_states = encoder_hidden_states + text_gate * self.txt_mlp(text_modulated)
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+        image_modulated, image_gate = first_norm(hidden_states, image_first, index, eps)
+        text_modulated, text_gate = first_norm(encoder_hidden_states, text_first, None, eps)
+        image_attention, text_attention = self.attn(
+            hidden_states=image_modulated, encoder_hidden_states=text_modulated,
+            encoder_hidden_states_mask=encoder_hidden_states_mask, image_rotary_emb=image_rotary_emb,
+            **(joint_attention_kwargs or {}))
+        image_modulated, hidden_states, image_gate = second_norm(
+            image_attention, hidden_states, image_gate, image_second, index, eps)
+        text_modulated, encoder_hidden_states, text_gate = second_norm(
+            text_attention, encoder_hidden_states, text_gate, text_second, None, eps)
+        hidden_states = hidden_states + image_gate * self.img_mlp(image_modulated)
+        encoder_hidden_states = encoder_hidden_states + text_gate * self.txt_mlp(text_modulated)
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
+
+    return forward
+
+
+_block_forward = _block_forward_of(_first_norm_of(False), _second_norm_of(False))
+_block_forward_fp8 = _block_forward_of(_first_norm_of(True), _second_norm_of(True))
 
 
 class QwenQKNormRopeProcessor(patching.DitopsProcessor):
@@ -99,10 +126,6 @@ class QwenQKNormRopeProcessor(patching.DitopsProcessor):
                 or patching.hooked(attn, self.bypassed)):
             return self.original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
                                  image_rotary_emb)
-        if encoder_hidden_states_mask is not None:  # text tokens as the mask says, every image token
-            image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-            attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
-        text = encoder_hidden_states.shape[1]
         head_size = attn.inner_dim // attn.heads
         image_frequencies, text_frequencies = image_rotary_emb  # complex [S, Dh / 2] per stream
         eps = attn.norm_q.eps
@@ -116,6 +139,11 @@ class QwenQKNormRopeProcessor(patching.DitopsProcessor):
             # torch.compile, on slices of the concatenation Inductor copies each slice out and back
             ops.qk_norm_rope_(query, key, q_norm.weight, k_norm.weight, patching.complex_cache(frequencies), eps=eps)
             streams.append((query, key, value))
+        text = streams[0][0].shape[1]  # the streams' lengths from their projections: the states may be FP8 rows
+        if encoder_hidden_states_mask is not None:  # text tokens as the mask says, every image token
+            image_query = streams[1][0]
+            image_mask = torch.ones(image_query.shape[:2], dtype=torch.bool, device=image_query.device)
+            attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
         query, key, value = (torch.cat(pair, dim=1) for pair in zip(*streams))
         out = self.attention(query, key, value, attention_mask).flatten(2, 3).to(query.dtype)
         image_out = attn.to_out[0](out[:, text:].contiguous())
@@ -133,15 +161,28 @@ def _attention_supported(attn) -> bool:
         type(norm) is RMSNorm and norm.weight is not None and norm.eps == attn.norm_q.eps for norm in norms)
 
 
-def patch(model, patches: list, report) -> None:
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches Qwen-Image's blocks; with ``fp8_dtype`` their Linears run FP8 (the module docstring)."""
+    suffix = "_fp8" if fp8_dtype is not None else ""
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
         norms = (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)
         if not all(patching.plain_layer_norm(norm) and norm.eps == block.img_norm1.eps for norm in norms):
             report.skipped.append(f"{path}: norms with affine parameters, another type or other eps")
-        elif patching.replace_forward(patches, report, block, path, _block_forward):
-            report.replaced += [(f"{path}.img_norm1, {path}.txt_norm1", "norm_scale_shift (select with modulate_index)"),
+        elif patching.replace_forward(patches, report, block, path,
+                                      _block_forward if fp8_dtype is None else _block_forward_fp8):
+            report.replaced += [(f"{path}.img_norm1, {path}.txt_norm1",
+                                 f"norm_scale_shift{suffix} (select with modulate_index)"),
                                 (f"{path}.img_norm2, {path}.txt_norm2",
-                                 "residual_norm_scale_shift (select with modulate_index)")]
+                                 f"residual_norm_scale_shift{suffix} (select with modulate_index)")]
         patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
                                    QwenQKNormRopeProcessor, "qk_norm_rope_")
+        if fp8_dtype is not None:
+            attention = block.attn
+            for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"):
+                quantize.replace_linear(patches, report, attention, name, f"{path}.attn.{name}", fp8_dtype)
+            quantize.replace_linear(patches, report, attention.to_out, "0", f"{path}.attn.to_out.0", fp8_dtype)
+            for name in ("img_mlp", "txt_mlp"):
+                flux.quantize_feed_forward(getattr(block, name), f"{path}.{name}", patches, report, fp8_dtype)
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)
