@@ -25,6 +25,10 @@ class Float8Rows(NamedTuple):
     data: Tensor
     scale: Tensor
 
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        """The values the rows stand for, in ``dtype`` (for code that takes a tensor)."""
+        return (self.data.float() * self.scale).to(dtype)
+
 
 def quantize_weight(weight: Tensor, fp8_dtype: torch.dtype) -> tuple:
     """A [N, K] weight as FP8 rows and their float32 scales [1, N] (one per output channel):

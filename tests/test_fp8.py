@@ -250,3 +250,29 @@ def test_qwen_image_norms_feed_their_projections_fp8_rows(edit, monkeypatch):
     blocks = 2
     assert calls.count("norm_scale_shift_fp8") == blocks * (1 if edit else 2)
     assert calls.count("residual_norm_scale_shift_fp8") == blocks * (1 if edit else 2)
+
+
+def test_wan_norms_feed_self_attention_and_ffn_fp8_rows(monkeypatch):
+    model, inputs, _ = tiny_wan(torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    blocks = 2
+    assert calls.count("norm_scale_shift_fp8") == blocks  # norm1 -> q/k/v
+    assert calls.count("residual_norm_scale_shift_fp8") == blocks  # norm3 -> the FFN
+    assert ("blocks.0.ffn", "quantize_fp8 (GELU)") in report.replaced
+
+
+def test_a_processor_that_defers_to_diffusers_gets_a_tensor_from_fp8_rows():
+    """Wan's ditops processor hands calls it does not cover (here: a rotary table per batch
+    item) to diffusers' processor, which takes a tensor: FP8 rows are dequantised for it."""
+    model, inputs, _ = tiny_wan(torch.bfloat16)
+    model.rope.register_forward_hook(lambda module, arguments, tables: tuple(t.expand(2, *t.shape[1:]) for t in tables))
+    expected = run(model, inputs)
+    integration.apply(model, quantize="fp8")
+    processor = model.blocks[0].attn1.processor
+    original, seen = processor.original, []
+    processor.original = lambda attn, hidden_states, *rest: seen.append(type(hidden_states)) or original(attn, hidden_states, *rest)
+    patched = run(model, inputs)
+    assert seen == [torch.Tensor]  # block 0's self-attention, deferred once
+    assert 0 < (patched - expected).norm() / expected.norm() < 0.15

@@ -28,40 +28,57 @@ import types
 import torch
 
 from ... import ops
-from . import patching
+from ...fp8 import Float8Rows
+from . import flux, patching, quantize
 
 
-def _block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
-    """diffusers' WanTransformerBlock with the norms fused (``_modulated_block``)."""
-    if patching.hooked(self, ("norm1", "norm2", "norm3")):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
-    if temb.ndim == 4:  # Wan2.2 TI2V: per-token modulation [B, S, 6, D]
-        chunks = (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
-        chunks = [chunk.squeeze(2) for chunk in chunks]
-    else:  # [B, 6, D]: one [B, 1, D] vector per batch item
-        chunks = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
-    return _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, None)
+def _block_forward_of(fp8: bool):
+    def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+        """diffusers' WanTransformerBlock with the norms fused (``_modulated_block``)."""
+        if patching.hooked(self, ("norm1", "norm2", "norm3")):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
+        if temb.ndim == 4:  # Wan2.2 TI2V: per-token modulation [B, S, 6, D]
+            chunks = (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+            chunks = [chunk.squeeze(2) for chunk in chunks]
+        else:  # [B, 6, D]: one [B, 1, D] vector per batch item
+            chunks = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
+        return _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, None, fp8)
+
+    return forward
 
 
-def _skyreels_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask):
-    """diffusers' SkyReelsV2TransformerBlock with the norms fused (``_modulated_block``); its
-    self-attention takes the diffusion-forcing attention mask."""
-    if patching.hooked(self, ("norm1", "norm2", "norm3")):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask)
-    if temb.ndim == 4:  # diffusion forcing: per-token modulation [B, 6, S, D]
-        chunks = [chunk.squeeze(1) for chunk in (self.scale_shift_table.unsqueeze(2) + temb.float()).chunk(6, dim=1)]
-    else:  # [B, 6, D]
-        chunks = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
-    return _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, attention_mask)
+def _skyreels_block_forward_of(fp8: bool):
+    def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask):
+        """diffusers' SkyReelsV2TransformerBlock with the norms fused (``_modulated_block``); its
+        self-attention takes the diffusion-forcing attention mask."""
+        if patching.hooked(self, ("norm1", "norm2", "norm3")):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask)
+        if temb.ndim == 4:  # diffusion forcing: per-token modulation [B, 6, S, D]
+            chunks = [chunk.squeeze(1) for chunk in (self.scale_shift_table.unsqueeze(2) + temb.float()).chunk(6, dim=1)]
+        else:  # [B, 6, D]
+            chunks = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
+        return _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, attention_mask, fp8)
+
+    return forward
 
 
-def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, attention_mask):
+_block_forward, _skyreels_block_forward = _block_forward_of(False), _skyreels_block_forward_of(False)
+_FP8_FORWARDS = {_block_forward: _block_forward_of(True), _skyreels_block_forward: _skyreels_block_forward_of(True)}
+
+
+def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, attention_mask, fp8: bool):
     """A Wan block after its modulation chunks: the float32-modulated norm1 as
     norm_scale_shift, "residual + gate * self-attention, then the affine norm2" and "residual
     + cross-attention (gate 1), then norm3 and its modulation" each as one
-    residual_norm_scale_shift. The modulation stays float32 next to bf16 activations."""
+    residual_norm_scale_shift. The modulation stays float32 next to bf16 activations. With
+    ``fp8``, norm1 gives the ditops self-attention processor FP8 rows (another processor gets
+    bf16) and norm3 gives them to the FFN; norm2 feeds the cross-attention's query in bf16."""
     shift_msa, scale_msa, gate_msa, context_shift, context_scale, context_gate = chunks
-    norm_hidden_states = ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
+    if fp8 and type(self.attn1.processor) is WanNormRopeProcessor:
+        norm_hidden_states = Float8Rows(*ops.norm_scale_shift_fp8(hidden_states, scale_msa, shift_msa,
+                                                                  eps=self.norm1.eps))
+    else:
+        norm_hidden_states = ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
     attention = self.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
     if isinstance(self.norm2, torch.nn.Identity):
         hidden_states = (hidden_states.float() + attention * gate_msa).type_as(hidden_states)
@@ -72,8 +89,13 @@ def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_
             attention, hidden_states, gate_msa, no_modulation, no_modulation, weight=self.norm2.weight,
             bias=self.norm2.bias, eps=self.norm2.eps)
     cross_attention = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
-    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
-        cross_attention, hidden_states, None, context_scale, context_shift, eps=self.norm3.eps)
+    if fp8:
+        y, y_scale, hidden_states = ops.residual_norm_scale_shift_fp8(
+            cross_attention, hidden_states, None, context_scale, context_shift, eps=self.norm3.eps)
+        norm_hidden_states = Float8Rows(y, y_scale)
+    else:
+        norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
+            cross_attention, hidden_states, None, context_scale, context_shift, eps=self.norm3.eps)
     feed_forward = self.ffn(norm_hidden_states)
     return (hidden_states.float() + feed_forward.float() * context_gate).type_as(hidden_states)
 
@@ -92,6 +114,8 @@ class WanNormRopeProcessor(patching.DitopsProcessor):
         if (rotary_emb is None or rotary_emb[0].shape[0] != 1 or rotary_emb[0].shape[2] != 1
                 or attn.add_k_proj is not None or encoder_hidden_states is not None
                 or patching.hooked(attn, self.bypassed)):
+            if isinstance(hidden_states, Float8Rows):  # quantize="fp8": diffusers' code takes a tensor
+                hidden_states = hidden_states.dequantize(getattr(attn.to_q, "out_dtype", attn.to_q.weight.dtype))
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
         no_modulation = query.new_zeros(())
@@ -163,8 +187,10 @@ def _ditops_forward(block):
     return None
 
 
-def patch(model, patches: list, report) -> None:
-    for path, block in model.named_modules():
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches the blocks with Wan's layout; with ``fp8_dtype`` their Linears run FP8
+    (``_modulated_block`` says which norms feed them FP8 rows)."""
+    for path, block in list(model.named_modules()):
         if not all(hasattr(block, name) for name in _LAYOUT):
             continue
         forward = _ditops_forward(block)
@@ -173,10 +199,15 @@ def patch(model, patches: list, report) -> None:
                                   "its norms stay as diffusers wrote them")
         elif not (_fp32_layer_norm(block.norm1) and _fp32_layer_norm(block.norm3) and _norm2_supported(block.norm2)):
             report.skipped.append(f"{path}: norm1/norm2/norm3 with other parameters or of another type")
-        elif patching.replace_forward(patches, report, block, path, forward):
-            report.replaced.append((f"{path}.norm1", "norm_scale_shift"))
+        elif patching.replace_forward(patches, report, block, path, forward if fp8_dtype is None else _FP8_FORWARDS[forward]):
+            suffix = "_fp8" if fp8_dtype is not None else ""
+            report.replaced.append((f"{path}.norm1", "norm_scale_shift" + suffix))
             if not isinstance(block.norm2, torch.nn.Identity):
                 report.replaced.append((f"{path}.norm2", "residual_norm_scale_shift"))
-            report.replaced.append((f"{path}.norm3", "residual_norm_scale_shift"))
+            report.replaced.append((f"{path}.norm3", "residual_norm_scale_shift" + suffix))
+            if fp8_dtype is not None:
+                flux.quantize_feed_forward(block.ffn, f"{path}.ffn", patches, report, fp8_dtype)
         patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", _attention_supported(block.attn1),
                                    WanNormRopeProcessor, "norm_scale_shift (rms), rope_")
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)
