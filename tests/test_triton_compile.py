@@ -207,7 +207,7 @@ def test_float64_eps_is_computed_in_float32():
         signature = dict(signature)
         if "eps" in signature and kernel not in {item["kernel"] for item in work} and dict(constants).get("NORM", True):
             work.append(dict(kernel=kernel, signature=dict(signature, eps="fp64"), constants=dict(constants), num_warps=num_warps))
-    assert {item["kernel"] for item in work} == set(KERNELS)
+    assert {item["kernel"] for item in work} == set(KERNELS) - {"row_quantize_kernel"}  # the one kernel without eps
     result = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("triton_aot.py")), "cuda", "90", "32", "ttgir"],
         input=json.dumps(work), capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
