@@ -13,7 +13,8 @@ GPU. A time is the median of ``--rounds`` rounds, the three ways taking turns go
 round is the median of 5 CUDA-event timings after warm-up.
 
 Writes benchmarks/results/fp8_<GPU>_<date>.json: {"device", "rows": [...]}.
-Usage: python benchmarks/fp8.py [--output FILE] [--models flux ...] [--modes ...]
+Usage: python benchmarks/fp8.py [--output FILE] [--models flux ...] [--modes ...] [--ways ...]
+       python benchmarks/fp8.py --combine A.json B.json --output FILE   # rows of runs that timed some ways each
        python benchmarks/fp8.py --table FILE   # the README's table of a results file
 """
 
@@ -36,7 +37,7 @@ import models
 from ditops.integrations import diffusers as integration
 
 WAYS = ("bf16", "torchao", "ditops")
-FP8_MODELS = ("flux",)  # the families with an FP8 path in ditops
+FP8_MODELS = tuple(models.MODELS)
 
 
 def _torchao(model) -> None:
@@ -134,9 +135,36 @@ def table(path: Path) -> str:
         lines.append(
             f"| {row['model']} | {row['resolution']} | {row['mode']} | {shown(row['bf16_ms'], '.2f')} | "
             f"{shown(row['torchao_ms'], '.2f')} | {row['ditops_ms']:.2f} | {shown(row['speedup_vs_bf16'], '.3f')}x | "
-            f"{shown(row['speedup_vs_torchao'], '.3f')}x | {row['rel_err_ditops']:.1e} "
+            f"{shown(row['speedup_vs_torchao'], '.3f')}x | {shown(row['rel_err_ditops'], '.1e')} "
             f"({shown(row['rel_err_torchao'], '.1e')}) | {first} | {row['weight_bytes_ditops'] / row['weight_bytes_bf16']:.2f} |")
     return "\n".join(lines)
+
+
+def combine(paths: list) -> dict:
+    """One results document from runs that each timed some of the ways (a compile row of all
+    three does not fit in one 10-minute command: torchao's first compile alone took over 340 s):
+    per (model, resolution, mode), each way's fields from the run that timed it, the ratios
+    recomputed, and ``runs``: which file each way's time came from (timings of separate
+    processes; in one run the ways take turns)."""
+    documents = [json.loads(Path(path).read_text()) for path in paths]
+    merged, rows = dict(documents[0], rows=[], combined_from=[str(path) for path in paths]), {}
+    for path, document in zip(paths, documents):
+        for row in document["rows"]:
+            key = (row["model"], row["resolution"], row["mode"])
+            target = rows.setdefault(key, dict(row, runs={}))
+            for way in WAYS:
+                if row.get(f"{way}_ms") is not None:
+                    for field in (f"{way}_ms", f"rel_err_{way}", f"compile_s_{way}"):
+                        if field in row:
+                            target[field] = row[field]
+                    target["runs"][way] = str(path)
+    for row in rows.values():
+        for way in ("bf16", "torchao"):
+            have = row.get(f"{way}_ms") is not None and row.get("ditops_ms") is not None
+            row[f"speedup_vs_{way}"] = row[f"{way}_ms"] / row["ditops_ms"] if have else None
+        row.pop("rounds_ms", None)
+        merged["rows"].append(row)
+    return merged
 
 
 def main() -> None:
@@ -149,9 +177,14 @@ def main() -> None:
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS), help="the ways timed")
     parser.add_argument("--blocks", type=int, default=8, help="blocks chained back to back in one forward")
     parser.add_argument("--rounds", type=int, default=3, help="timings of each way per mode, taking turns going first")
+    parser.add_argument("--combine", nargs="+", type=Path, help="merge the rows of these results files into --output")
     options = parser.parse_args()
     if options.table:
         print(table(options.table))
+        return
+    if options.combine:
+        Path(options.output).write_text(json.dumps(combine(options.combine), indent=1) + "\n")
+        print(table(Path(options.output)))
         return
     device = torch.cuda.get_device_name()
     short = device.split()[1] if len(device.split()) > 1 else device
