@@ -83,7 +83,10 @@ def relative_error(output, reference) -> float:
     return ((output - reference).norm() / reference.norm()).item()
 
 
-def check(device, dtype, parallel: str, backend, real_width=False) -> list:
+FP8_TOLERANCE = 2e-2  # relative L2: a value reordered by the split may round to the neighbouring FP8 step
+
+
+def check(device, dtype, parallel: str, backend, real_width=False, quantize=None) -> list:
     """On every rank of the initialized process group: each model, both orders. Returns lines to
     print; raises AssertionError listing every case that failed.
 
@@ -91,7 +94,8 @@ def check(device, dtype, parallel: str, backend, real_width=False) -> list:
     run reorders sums in attention, so the bar is the one the benchmark states: the error
     against the one-process unpatched run at most 1.5x the larger of the unpatched parallel
     run's and ditops' own one-process error (whatever ditops rounds differently, the parallel
-    split must not add to it)."""
+    split must not add to it). With ``quantize="fp8"`` the parallel run must match ditops' own
+    one-process FP8 run (scales are per token, so the split changes none) within FP8_TOLERANCE."""
     from diffusers import ContextParallelConfig
 
     calls = record_attention_calls()
@@ -100,9 +104,12 @@ def check(device, dtype, parallel: str, backend, real_width=False) -> list:
     for name in BUILDERS:
         model, inputs, blocks = build(name, device, dtype, backend, real_width)
         expected = run(model, inputs)  # one process, no parallelism
-        integration.apply(model)
-        single_error = relative_error(run(model, inputs), expected)  # ditops in one process
+        integration.apply(model, quantize=quantize)
+        single = run(model, inputs)
+        single_error = relative_error(single, expected)  # ditops in one process
         integration.remove(model)
+        if quantize is not None:
+            expected = single
         model.enable_parallelism(config=ContextParallelConfig(**{f"{parallel}_degree": degree}))
         calls.clear()
         baseline_error = relative_error(run(model, inputs), expected)  # unpatched, in parallel
@@ -112,10 +119,10 @@ def check(device, dtype, parallel: str, backend, real_width=False) -> list:
         for order in ("apply first", "enable_parallelism first"):
             model, inputs, blocks = build(name, device, dtype, backend, real_width)
             if order == "apply first":
-                integration.apply(model)
+                integration.apply(model, quantize=quantize)
             model.enable_parallelism(config=ContextParallelConfig(**{f"{parallel}_degree": degree}))
             if order == "enable_parallelism first":
-                integration.apply(model)
+                integration.apply(model, quantize=quantize)
             calls.clear()
             patched = run(model, inputs)
             error = relative_error(patched, expected)
@@ -124,7 +131,10 @@ def check(device, dtype, parallel: str, backend, real_width=False) -> list:
                          f"{single_error:.2e})")
             if calls != expected_calls:
                 failures.append(f"{name}, {order}: calls with the parallel config {calls}, wanted {expected_calls}")
-            if dtype == torch.float32:
+            if quantize is not None:
+                if not error <= FP8_TOLERANCE:  # also catches NaN
+                    failures.append(f"{name}, {order}: rel_err {error:.2e} against ditops' one-process {quantize} run")
+            elif dtype == torch.float32:
                 tolerance = TOLERANCE[dtype] * blocks
                 if not torch.allclose(patched, expected, atol=tolerance, rtol=tolerance):
                     failures.append(f"{name}, {order}: not within {tolerance} of the one-process run (rel_err {error:.2e})")
@@ -148,14 +158,15 @@ def _cpu_worker(rank: int, port: int, outcomes: str) -> None:
     if not hasattr(context_parallel.logger, "warning_once"):
         context_parallel.logger.warning_once = context_parallel.logger.warning
     try:
-        for parallel in ("ulysses", "ring"):
+        for mode, parallel, quantize in (("ulysses", "ulysses", None), ("ring", "ring", None),
+                                         ("ulysses-fp8", "ulysses", "fp8")):
             try:
-                check(torch.device("cpu"), torch.float32, parallel, None)
+                check(torch.device("cpu"), torch.float32, parallel, None, quantize=quantize)
                 outcome = "ok"
             except Exception as error:  # noqa: BLE001  (reported to the test, which fails or skips on it)
                 outcome = f"{type(error).__name__}: {error}"
             if rank == 0:
-                with open(os.path.join(outcomes, parallel), "w") as file:
+                with open(os.path.join(outcomes, mode), "w") as file:
                     file.write(outcome)
     finally:
         dist.destroy_process_group()
@@ -175,6 +186,10 @@ def test_ulysses_on_two_cpu_processes_matches_one_process_in_both_orders(cpu_out
     assert cpu_outcomes["ulysses"] == "ok"
 
 
+def test_ulysses_with_fp8_on_two_cpu_processes_matches_one_process_fp8_in_both_orders(cpu_outcomes):
+    assert cpu_outcomes["ulysses-fp8"] == "ok"
+
+
 def test_ring_on_two_cpu_processes_matches_one_process_in_both_orders(cpu_outcomes):
     if "return_lse" in cpu_outcomes["ring"]:
         pytest.skip("ring attention needs an attention backend that returns the log-sum-exp; diffusers' CPU "
@@ -189,12 +204,13 @@ if __name__ == "__main__":  # torchrun --nproc-per-node N tests/test_diffusers_c
                                                         "e.g. _native_cudnn or flash)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--real-width", action="store_true", help="the real models' attention widths (heads x 128)")
+    parser.add_argument("--quantize", choices=["fp8"], default=None, help="apply(model, quantize=...)")
     arguments = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
     lines = check(torch.device("cuda", rank), getattr(torch, arguments.dtype), arguments.parallel, arguments.backend,
-                  arguments.real_width)
+                  arguments.real_width, arguments.quantize)
     if dist.get_rank() == 0:
         print("\n".join(lines))
     dist.destroy_process_group()

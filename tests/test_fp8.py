@@ -160,6 +160,7 @@ from ditops.integrations import diffusers as integration  # noqa: E402
 from test_diffusers_integration import recorded_calls, run, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image  # noqa: E402
 
 FP8_OPS = ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8")
+BF16_REASONS = ("wanted both multiples of 16", "an embedder", "context-parallel plan")
 TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": tiny_z_image}
 
 
@@ -179,7 +180,7 @@ def test_apply_fp8_runs_every_linear_it_can_in_fp8_and_remove_restores_the_bf16_
     for path, kind in listed.items():
         module = model.get_submodule(path)
         assert kind.startswith("fp8") == isinstance(module, (Float8Linear, Float8PartsLinear)), (path, kind)
-        assert kind.startswith("fp8") or "wanted both multiples of 16" in kind or "an embedder" in kind, (path, kind)
+        assert kind.startswith("fp8") or any(reason in kind for reason in BF16_REASONS), (path, kind)
     assert sum(kind.startswith("fp8") for kind in listed.values()) >= len(linears) // 2
     patched = run(model, inputs)
     assert calls and set(calls) <= set(FP8_OPS)
@@ -276,3 +277,16 @@ def test_a_processor_that_defers_to_diffusers_gets_a_tensor_from_fp8_rows():
     patched = run(model, inputs)
     assert seen == [torch.Tensor]  # block 0's self-attention, deferred once
     assert 0 < (patched - expected).norm() / expected.norm() < 0.15
+
+
+def test_a_linear_with_a_hook_and_the_context_parallel_plans_projection_stay_bf16():
+    """A replacement module would not carry a hook (an offload hook, a context-parallel
+    gather), and enable_parallelism hooks the plan's modules by name in either order."""
+    model, inputs, _ = tiny_flux(torch.bfloat16)
+    seen = []
+    model.transformer_blocks[0].attn.to_out[0].register_forward_hook(lambda *arguments: seen.append(True))
+    report = dict(integration.apply(model, quantize="fp8").linears)
+    assert report["transformer_blocks.0.attn.to_out.0"] == "bf16: it has a torch forward hook, which a replacement would drop"
+    assert report["proj_out"] == "bf16: named in the model's context-parallel plan (_cp_plan)"
+    run(model, inputs)
+    assert seen

@@ -110,7 +110,9 @@ def replace_forward(patches: list, report: Report, module, path: str, function) 
 _warned = set()
 
 
-def _hook_on(module) -> str | None:
+def hook_on(module) -> str | None:
+    """What hooks ``module`` (a diffusers hook, an accelerate hook, a torch forward hook, a forward
+    set on the instance), or None."""
     registry = vars(module).get("_diffusers_hook")
     if registry is not None and registry.hooks:
         return f"diffusers hook(s) {', '.join(registry._hook_order)}"
@@ -128,7 +130,7 @@ def hooked(owner, names: tuple) -> bool:
     replaces by an op) has a hook; if so, warns once naming it, and the caller runs diffusers' code."""
     for name in names:
         module = getattr(owner, name)
-        hook = _hook_on(module)
+        hook = hook_on(module)
         if hook is not None:
             key = (type(owner).__name__, name, hook)
             if key not in _warned:
