@@ -290,3 +290,13 @@ def test_a_linear_with_a_hook_and_the_context_parallel_plans_projection_stay_bf1
     assert report["proj_out"] == "bf16: named in the model's context-parallel plan (_cp_plan)"
     run(model, inputs)
     assert seen
+
+
+def test_apply_again_with_another_quantize_asks_for_remove_first():
+    model, inputs, _ = tiny_flux(torch.bfloat16)
+    report = integration.apply(model)
+    assert integration.apply(model) is report
+    with pytest.raises(ValueError, match="quantize is 'fp8', but the model is patched with quantize=None; wanted remove"):
+        integration.apply(model, quantize="fp8")
+    integration.remove(model)
+    assert integration.apply(model, quantize="fp8").linears

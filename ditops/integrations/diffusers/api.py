@@ -31,7 +31,8 @@ QUANTIZE = (None, "fp8")
 
 def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
     """Replaces what ditops covers in ``model``; returns what was replaced and what was skipped.
-    ``apply`` on a model that is already patched changes nothing and returns the first report.
+    ``apply`` on a model that is already patched changes nothing and returns the first report
+    (a ValueError if it asks for another ``quantize``: ``remove`` first).
 
     ``quantize="fp8"``: every Linear runs as an FP8 GEMM (quantize.py: the FP8 weights stay on
     the model's device, the bf16 Linears wait in host memory for ``remove``), fed FP8 rows by
@@ -41,6 +42,9 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
     if quantize not in QUANTIZE:
         raise ValueError(f"apply: quantize is {quantize!r}; wanted one of {', '.join(map(repr, QUANTIZE))}")
     if getattr(model, "_ditops_patches", None) is not None:
+        if getattr(model, "_ditops_quantize", None) != quantize:
+            raise ValueError(f"apply: quantize is {quantize!r}, but the model is patched with quantize="
+                             f"{model._ditops_quantize!r}; wanted remove(model) first")
         return model._ditops_report
     import diffusers
 
@@ -58,7 +62,7 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
         patcher(model, patches, report)
         if fp8_dtype is not None:
             quantize_module.replace_rest(model, patches, report, fp8_dtype)
-    model._ditops_patches, model._ditops_report = patches, report
+    model._ditops_patches, model._ditops_report, model._ditops_quantize = patches, report, quantize
     return report
 
 
@@ -66,7 +70,7 @@ def remove(model: torch.nn.Module) -> None:
     """Puts back every forward and processor ``apply`` replaced; hooks registered meanwhile stay."""
     for patch in reversed(getattr(model, "_ditops_patches", None) or []):
         patch.restore()
-    for attribute in ("_ditops_patches", "_ditops_report"):
+    for attribute in ("_ditops_patches", "_ditops_report", "_ditops_quantize"):
         if hasattr(model, attribute):
             delattr(model, attribute)
 
