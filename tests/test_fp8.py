@@ -300,3 +300,43 @@ def test_apply_again_with_another_quantize_asks_for_remove_first():
         integration.apply(model, quantize="fp8")
     integration.remove(model)
     assert integration.apply(model, quantize="fp8").linears
+
+
+# The Triton FP8 kernels in Triton's interpreter. The interpreter converts float32 to FP8
+# wrongly, so the conformance suite checks these kernels on the GPU only; here each kernel
+# writes its values into a float32 y (the cast to y's type is then no cast at all) with the
+# format's range, so everything but the final rounding is checked on every CI run.
+
+import os  # noqa: E402
+
+from ditops import conformance  # noqa: E402
+from ditops.backends import triton as triton_backend  # noqa: E402
+from ditops.backends.triton.kernel_launch import run as run_launch  # noqa: E402
+from ditops.ops import OPS, ordered_arguments  # noqa: E402
+
+FP8_CASES = [case for case in conformance.CASES if conformance.SPECS[case.op].quantized]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton's interpreter on the CPU (on a GPU the conformance suite checks the FP8 values)")
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda case: case.id)
+def test_triton_fp8_kernels_before_the_final_rounding(case):
+    arguments = case.arguments(torch.float32, "cpu")
+    ordered, _ = ordered_arguments(case.op, **arguments)
+    if OPS[case.op].check(*ordered) is None:
+        pytest.skip("empty input: nothing is launched")
+    outputs = list(OPS[case.op].outputs(*ordered))
+    fp8_dtype = outputs[0].dtype
+    outputs[0] = torch.full(outputs[0].shape, float("nan"))
+    outputs[1].fill_(float("nan"))
+    with simulated_device("sm_90"):
+        launch = getattr(triton_backend, case.op + "_launch")(*ordered, *outputs)
+        run_launch(launch._replace(constexprs=dict(launch.constexprs, FP8_MAX=float(torch.finfo(fp8_dtype).max))))
+    expected = conformance.oracle(case.op, arguments, torch.float32)
+    fmax = torch.finfo(fp8_dtype).max
+    values, scales = outputs[0].double(), outputs[1].double()
+    assert torch.equal(values.isnan(), expected[0].isnan()) and torch.equal(scales.isnan(), expected[1].isnan())
+    assert ((values - expected[0]).abs().nan_to_num(0) <= 1e-5 * fmax).all()
+    torch.testing.assert_close(scales, expected[1], rtol=1e-5, atol=0, equal_nan=True)
+    for output, wanted in zip(outputs[2:], expected[2:]):  # residual_out
+        torch.testing.assert_close(output.double(), wanted, rtol=1e-5, atol=1e-5, equal_nan=True)
