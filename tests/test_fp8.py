@@ -292,6 +292,44 @@ def test_a_linear_with_a_hook_and_the_context_parallel_plans_projection_stay_bf1
     assert seen
 
 
+HOOKED_FED_LINEAR = {  # a Linear that a norm would feed FP8 rows, in the first block of each family
+    "flux": ("transformer_blocks.0.attn.to_q", "transformer_blocks.0"),
+    "qwen-image": ("transformer_blocks.0.img_mlp.net.0.proj", "transformer_blocks.0"),
+    "wan": ("blocks.0.ffn.net.2", "blocks.0"),
+}
+
+
+@pytest.mark.parametrize("name", HOOKED_FED_LINEAR)
+def test_a_hook_on_a_fed_linear_keeps_its_blocks_norms_bf16(name, monkeypatch):
+    """FP8 rows must never reach a bf16 Linear: where one the norms feed cannot be replaced (a
+    hook on it), none of the block's are, and its norms give bf16; the other blocks keep FP8 rows."""
+    model, inputs, _ = TINY[name](torch.bfloat16)
+    linear, block = HOOKED_FED_LINEAR[name]
+    seen = []
+    model.get_submodule(linear).register_forward_hook(lambda *arguments: seen.append(True))
+    expected = run(model, inputs)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    assert any(line.startswith(f"{block}: its norms give bf16") and linear in line for line in report.skipped)
+    assert dict(report.linears)[linear].startswith("bf16: it has a torch forward hook")
+    assert not any(path.startswith(block + ".") and op.endswith("_fp8") for path, op in report.replaced)
+    assert any(op.startswith("norm_scale_shift_fp8") for _, op in report.replaced)  # the other block
+    seen.clear()
+    patched = run(model, inputs)
+    assert seen and "norm_scale_shift_fp8" in calls
+    assert 0 < (patched - expected).norm() / expected.norm() < 0.15
+
+
+def test_a_processor_that_is_not_ditops_keeps_the_norms_bf16():
+    """diffusers' own processor takes tensors: a block whose attention ditops does not patch
+    gets no FP8 rows."""
+    model, inputs, _ = tiny_flux(torch.bfloat16)
+    model.transformer_blocks[0].attn.norm_q.eps = 1e-3  # q/k norms of other eps: ditops leaves the processor
+    report = integration.apply(model, quantize="fp8")
+    assert "transformer_blocks.0: its norms give bf16 (the attention processor is not ditops')" in report.skipped
+    run(model, inputs)
+
+
 def test_apply_again_with_another_quantize_asks_for_remove_first():
     model, inputs, _ = tiny_flux(torch.bfloat16)
     report = integration.apply(model)

@@ -13,10 +13,11 @@
 With ``quantize="fp8"`` (quantize.py) the norms give FP8 rows (``norm_scale_shift_fp8``,
 ``residual_norm_scale_shift_fp8``) to the Linears they feed, now FP8 (q/k/v, the MLPs' up
 projections, the single blocks' ``proj_mlp``); each MLP's GELU and the quantisation of its
-hidden state are one ``quantize_fp8``; the attention outputs are quantised by their
-projections (``to_out``, ``to_add_out``); a single block's ``proj_out`` is one FP8 GEMM per
-part of its input (attention output, MLP activation), each with its own row scales. Every other
-Linear (modulation, embedders, final layer) quantises its own input.
+hidden state are one ``quantize_fp8`` (quantize.py's FeedForward forward); a single block's
+``proj_out`` is one FP8 GEMM per part of its input (attention output, MLP activation), each
+with its own row scales. A block whose processor is not ditops', or one of whose fed Linears
+cannot be FP8, keeps bf16 norms. The other Linears (the attention outputs, the modulation)
+quantise their own input; quantize.replace_rest says which stay bf16.
 """
 
 from __future__ import annotations
@@ -113,23 +114,9 @@ _FP8_FORWARDS = {
 }
 
 
-def _feed_forward_fp8(self, hidden_states, *args, **kwargs):
-    """diffusers' FeedForward of FLUX (GELU-tanh up projection, dropout, down projection), its
-    GELU and the quantisation of its 4D-wide hidden state as one quantize_fp8 between the two
-    FP8 GEMMs. Dropout is the identity at inference; in training diffusers' code runs."""
-    if self.training:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    hidden = self.net[0].proj(hidden_states)
-    return self.net[2](Float8Rows(*ops.quantize_fp8(hidden, activation="gelu_tanh")))
-
-
-def _gelu_tanh_feed_forward(ff) -> bool:
-    """Whether ``ff`` is diffusers' FeedForward as FLUX builds it: GELU(tanh) up, dropout, Linear down."""
-    from diffusers.models.activations import GELU
-
-    net = getattr(ff, "net", None)
-    return (net is not None and len(net) == 3 and type(net[0]) is GELU and net[0].approximate == "tanh"
-            and type(net[1]) is torch.nn.Dropout and type(net[2]) is torch.nn.Linear)
+def _forward(function, fp8: bool):
+    """A ditops forward, or its FP8 form (its norm gives FP8 rows)."""
+    return _FP8_FORWARDS[function] if fp8 else function
 
 
 def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -167,7 +154,7 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
 
         bypassed = self.bypassed if attn.added_kv_proj_dim is not None else self.bypassed[:2]
         if image_rotary_emb is None or patching.hooked(attn, bypassed):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+            return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         query, key, value, context_query, context_key, context_value = _get_qkv_projections(
             attn, hidden_states, encoder_hidden_states)
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
@@ -206,71 +193,75 @@ def _attention_supported(attn) -> bool:
 
 _QKV = ("to_q", "to_k", "to_v")
 _ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
+_FEED_FORWARDS = ("ff", "ff_context")
+
+
 def patch(model, patches: list, report, fp8_dtype=None) -> None:
-    """Patches FLUX's blocks; with ``fp8_dtype`` their Linears named in the module docstring run FP8."""
-    fp8 = (lambda function: _FP8_FORWARDS[function]) if fp8_dtype is not None else (lambda function: function)
-    suffix = "_fp8" if fp8_dtype is not None else ""
+    """Patches FLUX's blocks; with ``fp8_dtype`` their Linears run FP8, fed FP8 rows by the norms
+    where a block's processor is ditops' and all the Linears its norms feed became FP8."""
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
+        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
+                                   FluxQKNormRopeProcessor, "qk_norm_rope_")
+        fp8 = fp8_dtype is not None and _quantize_double_block(block, path, patches, report, fp8_dtype)
+        suffix = "_fp8" if fp8 else ""
         if all(patching.plain_layer_norm(norm)
                for norm in (block.norm1.norm, block.norm1_context.norm, block.norm2, block.norm2_context)):
             for name in ("norm1", "norm1_context"):
                 if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
-                                            fp8(_ada_layer_norm_zero_forward)):
+                                            _forward(_ada_layer_norm_zero_forward, fp8)):
                     report.replaced.append((f"{path}.{name}", "norm_scale_shift" + suffix))
-            if patching.replace_forward(patches, report, block, path, fp8(_double_block_forward)):
+            if patching.replace_forward(patches, report, block, path, _forward(_double_block_forward, fp8)):
                 report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
         else:
             report.skipped.append(f"{path}: norms with affine parameters or another type")
-        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
-                                   FluxQKNormRopeProcessor, "qk_norm_rope_")
-        if fp8_dtype is not None:
-            _quantize_double_block(block, path, patches, report, fp8_dtype)
     for index, block in enumerate(model.single_transformer_blocks):
         path = f"single_transformer_blocks.{index}"
+        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
+                                   FluxQKNormRopeProcessor, "qk_norm_rope_")
+        fp8 = fp8_dtype is not None and _quantize_single_block(block, path, patches, report, fp8_dtype)
         if not patching.plain_layer_norm(block.norm.norm):
             report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
         elif patching.replace_forward(patches, report, block.norm, f"{path}.norm",
-                                      fp8(_ada_layer_norm_zero_single_forward)):
-            report.replaced.append((f"{path}.norm", "norm_scale_shift" + suffix))
-        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
-                                   FluxQKNormRopeProcessor, "qk_norm_rope_")
-        if fp8_dtype is not None:
-            _quantize_single_block(block, path, patches, report, fp8_dtype)
+                                      _forward(_ada_layer_norm_zero_single_forward, fp8)):
+            report.replaced.append((f"{path}.norm", "norm_scale_shift" + ("_fp8" if fp8 else "")))
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
 
 
-def _quantize_double_block(block, path, patches, report, fp8_dtype) -> None:
-    attention = block.attn
-    for name in _QKV + _ADDED_QKV + ("to_add_out",):
-        quantize.replace_linear(patches, report, attention, name, f"{path}.attn.{name}", fp8_dtype)
-    quantize.replace_linear(patches, report, attention.to_out, "0", f"{path}.attn.to_out.0", fp8_dtype)
-    for name in ("ff", "ff_context"):
-        quantize_feed_forward(getattr(block, name), f"{path}.{name}", patches, report, fp8_dtype)
+def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the block's norms feed -> FP8 (q/k/v of both streams, both MLPs, with the
+    MLPs' GELU + quantisation fused); True where the norms may give them FP8 rows."""
+    if type(block.attn.processor) is not FluxQKNormRopeProcessor:
+        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+        return False
+    if not all(quantize.gelu_tanh_feed_forward(getattr(block, name)) for name in _FEED_FORWARDS):
+        report.skipped.append(f"{path}: its norms give bf16 (a FeedForward other than GELU-tanh)")
+        return False
+    linears = quantize.fed(block.attn, _QKV + _ADDED_QKV, f"{path}.attn")
+    for name in _FEED_FORWARDS:
+        linears += quantize.feed_forward_linears(getattr(block, name), f"{path}.{name}")
+    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
+        return False
+    for name in _FEED_FORWARDS:
+        quantize.wire_feed_forward(patches, report, getattr(block, name), f"{path}.{name}")
+    return True
 
 
-def quantize_feed_forward(ff, path, patches, report, fp8_dtype) -> None:
-    """A GELU-tanh FeedForward (FLUX's, Qwen-Image's): FP8 up and down projections with the GELU
-    and the quantisation of the hidden state between them as one quantize_fp8; another kind is
-    left to quantize.replace_rest."""
-    if not _gelu_tanh_feed_forward(ff):
-        report.skipped.append(f"{path}: not a GELU-tanh FeedForward; its Linears quantise their own input")
-        return
-    quantize.replace_linear(patches, report, ff.net[0], "proj", f"{path}.net.0.proj", fp8_dtype)
-    quantize.replace_linear(patches, report, ff.net, "2", f"{path}.net.2", fp8_dtype)
-    if patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
-        report.replaced.append((path, "quantize_fp8 (GELU)"))
-
-
-def _quantize_single_block(block, path, patches, report, fp8_dtype) -> None:
+def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the block's norm feeds -> FP8 (q/k/v, proj_mlp), and proj_out one GEMM per
+    part of its input; True where the norm may give them FP8 rows."""
+    if type(block.attn.processor) is not FluxQKNormRopeProcessor:
+        report.skipped.append(f"{path}: its norm gives bf16 (the attention processor is not ditops')")
+        return False
     if not (type(block.act_mlp) is torch.nn.GELU and block.act_mlp.approximate == "tanh"):
-        report.skipped.append(f"{path}: act_mlp is not GELU(tanh); its Linears stay bf16")
-        return
-    for name in _QKV:
-        quantize.replace_linear(patches, report, block.attn, name, f"{path}.attn.{name}", fp8_dtype)
-    quantize.replace_linear(patches, report, block, "proj_mlp", f"{path}.proj_mlp", fp8_dtype)
+        report.skipped.append(f"{path}: its norm gives bf16 (act_mlp is not GELU(tanh))")
+        return False
     widths = (block.proj_out.in_features - block.proj_mlp.out_features, block.proj_mlp.out_features)
-    if (quantize.replace_linear(patches, report, block, "proj_out", f"{path}.proj_out", fp8_dtype, widths)
-            and patching.replace_forward(patches, report, block, path, _single_block_forward_fp8)):
+    linears = quantize.fed(block.attn, _QKV, f"{path}.attn") + quantize.fed(block, ("proj_mlp",), path)
+    if not quantize.replace_fed(patches, report, linears + [(block, "proj_out", f"{path}.proj_out", widths)],
+                                fp8_dtype, path):
+        return False
+    if patching.replace_forward(patches, report, block, path, _single_block_forward_fp8):
         report.replaced.append((f"{path}.act_mlp, {path}.proj_out", "quantize_fp8 (attention; GELU)"))
+    return True

@@ -90,7 +90,7 @@ class Flux2ParallelQKNormRopeProcessor(patching.DitopsProcessor):
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
         if image_rotary_emb is None or patching.hooked(attn, self.bypassed):
-            return self.original(attn, hidden_states, attention_mask, image_rotary_emb)
+            return self.defer(attn, hidden_states, attention_mask, image_rotary_emb)
         projected = attn.to_qkv_mlp_proj(hidden_states)
         # split by the global qkv : MLP ratio, as diffusers does, so a column-sharded projection splits alike
         qkv_width = 3 * attn.inner_dim

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...fp8 import Float8Rows
 from .report import Report
 
 # ----- forwards: the innermost link ---------------------------------------------------------
@@ -170,6 +171,12 @@ class DitopsProcessor:
     @_parallel_config.setter
     def _parallel_config(self, config) -> None:
         self.original._parallel_config = config
+
+    def defer(self, attn, *arguments, **options):
+        """The call, in the processor this one replaced. FP8 rows (quantize="fp8": a norm feeds
+        them to the q/k/v projections) are given back as the tensors diffusers' code takes."""
+        arguments = [a.dequantize(attn.to_q.out_dtype) if isinstance(a, Float8Rows) else a for a in arguments]
+        return self.original(attn, *arguments, **options)
 
     def attention(self, query, key, value, attn_mask=None) -> torch.Tensor:
         """diffusers' attention on [B, S, H, Dh] q, k, v with this processor's backend and

@@ -2,13 +2,14 @@
 
 Every Linear of the model becomes a ``Float8Linear`` (ditops/fp8.py), its weight quantised
 once per output channel, where torch._scaled_mm can take its sizes and no hook is on it (a
-context-parallel gather, an offload hook: a new module would not carry it). A model module (flux.py,
-...) replaces first the Linears whose input a ditops op produces as FP8 rows (a norm with FP8
-output, the GELU + quantisation of an MLP) and wires them to it; ``replace_rest`` replaces the
-others, which quantise their own input (``quantize_fp8``, one pass). The bf16 Linears are kept,
-moved to host memory: the GPU holds the FP8 weights alone (about half the bytes), and
-``remove`` moves each back and puts it where it was, so the model has its exact bits again.
-The report lists every Linear and how it runs.
+context-parallel gather, an offload hook: a new module would not carry it). A model module
+(flux.py, ...) first replaces the Linears that a ditops op would feed FP8 rows (a norm with FP8
+output, the GELU + quantisation of an MLP) with ``replace_fed``: all of a block's or none, and
+its norms give FP8 rows only where all were replaced, so that FP8 rows never reach a bf16
+Linear. ``replace_rest`` replaces the others, which quantise their own input
+(``quantize_fp8``, one pass). The bf16 Linears are kept, moved to host memory: the GPU holds
+the FP8 weights alone (about half the bytes), and ``remove`` moves each back and puts it where
+it was, so the model has its exact bits again. The report lists every Linear and how it runs.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ...fp8 import Float8Linear, Float8PartsLinear
-from .patching import hook_on
+from ... import ops
+from ...fp8 import Float8Linear, Float8PartsLinear, Float8Rows
+from . import patching
 from .report import Report
 
 KEPT_ON = "cpu"  # where the replaced bf16 Linears wait for ``remove``
+EMBEDDERS = "embed"  # a path holding this names a timestep, text or patch embedder
 
 
 @dataclass
@@ -38,31 +41,45 @@ class _LinearPatch:
         setattr(self.parent, self.name, self.original.to(device))
 
 
-def replace_linear(patches: list, report: Report, parent: torch.nn.Module, name: str, path: str, fp8_dtype,
-                   widths: tuple = ()) -> bool:
-    """``parent.<name>`` (an nn.Linear) -> its Float8Linear (Float8PartsLinear over ``widths``
-    where its input is a concatenation quantised part by part). False, with the reason in the
-    report, where it is not a plain Linear or its sizes do not fit an FP8 GEMM."""
-    linear = getattr(parent, name)
+def _replacement(linear, widths: tuple, fp8_dtype) -> tuple:
+    """(the FP8 module for ``linear``, None): a Float8Linear, or a Float8PartsLinear over
+    ``widths`` where its input is a concatenation quantised part by part; or (None, why it
+    stays bf16)."""
     if type(linear) is not torch.nn.Linear:
-        report.linears.append((path, f"bf16: a {type(linear).__name__}, not a torch.nn.Linear"))
-        return False
-    hook = hook_on(linear)
-    if hook is not None:  # a new module would not carry it (a context-parallel gather, an offload hook)
-        report.linears.append((path, f"bf16: it has {hook}, which a replacement would drop"))
-        return False
+        return None, f"a {type(linear).__name__}, not a torch.nn.Linear"
+    hook = patching.hook_on(linear)
+    if hook is not None:
+        return None, f"it has {hook}, which a replacement would drop"
     try:
-        replacement = Float8PartsLinear(linear, widths, fp8_dtype) if widths else Float8Linear(linear, fp8_dtype)
+        return (Float8PartsLinear(linear, widths, fp8_dtype) if widths else Float8Linear(linear, fp8_dtype)), None
     except ValueError as error:
-        report.linears.append((path, f"bf16: {error}"))
-        return False
-    patches.append(_LinearPatch(parent, name, linear.to(KEPT_ON), replacement))
+        return None, str(error)
+
+
+def _install(patches: list, report: Report, parent, name: str, path: str, replacement, fp8_dtype, how: str = "") -> None:
+    patches.append(_LinearPatch(parent, name, getattr(parent, name).to(KEPT_ON), replacement))
     setattr(parent, name, replacement)
-    report.linears.append((path, f"fp8 ({str(fp8_dtype).removeprefix('torch.')})"))
+    report.linears.append((path, f"fp8 ({str(fp8_dtype).removeprefix('torch.')}){how}"))
+
+
+def fed(parent, names: tuple, path: str) -> list:
+    """The Linears ``parent.<name>`` as replace_fed takes them."""
+    return [(parent, name, f"{path}.{name}", ()) for name in names]
+
+
+def replace_fed(patches: list, report: Report, linears: list, fp8_dtype, owner: str) -> bool:
+    """The Linears an op would feed FP8 rows, as (parent, name, path, widths): all of them ->
+    their FP8 modules, True; or, where one cannot be replaced, none, False, and the report
+    says which and why (``owner``'s norms then give bf16, which replace_rest's Linears take)."""
+    built = [(parent, name, path, *_replacement(getattr(parent, name), widths, fp8_dtype))
+             for parent, name, path, widths in linears]
+    refused = [f"{path} ({why})" for _, _, path, _, why in built if why]
+    if refused:
+        report.skipped.append(f"{owner}: its norms give bf16, not FP8 rows: {'; '.join(refused)} stays bf16")
+        return False
+    for parent, name, path, replacement, _ in built:
+        _install(patches, report, parent, name, path, replacement, fp8_dtype)
     return True
-
-
-EMBEDDERS = "embed"  # a path holding this names a timestep, text or patch embedder
 
 
 def replace_rest(model: torch.nn.Module, patches: list, report: Report, fp8_dtype) -> None:
@@ -83,6 +100,44 @@ def replace_rest(model: torch.nn.Module, patches: list, report: Report, fp8_dtyp
         elif path in planned:  # the same model whether apply or enable_parallelism comes first
             report.linears.append((path, "bf16: named in the model's context-parallel plan (_cp_plan)"))
         else:
+            replacement, why = _replacement(module, (), fp8_dtype)
             parent_path, _, name = path.rpartition(".")
-            if replace_linear(patches, report, parents[parent_path], name, path, fp8_dtype):
-                report.linears[-1] = (path, report.linears[-1][1] + ", quantises its own input")
+            if why:
+                report.linears.append((path, f"bf16: {why}"))
+            else:
+                _install(patches, report, parents[parent_path], name, path, replacement, fp8_dtype,
+                         ", quantises its own input")
+
+
+# diffusers' GELU-tanh FeedForward (FLUX, Qwen-Image, Wan): FP8 rows in, the GELU and the
+# quantisation of its wide hidden state as one quantize_fp8 between its two FP8 GEMMs.
+
+
+def gelu_tanh_feed_forward(ff) -> bool:
+    """Whether ``ff`` is diffusers' FeedForward with a GELU(tanh) up projection, dropout, a Linear down."""
+    from diffusers.models.activations import GELU
+
+    net = getattr(ff, "net", None)
+    return (net is not None and len(net) == 3 and type(net[0]) is GELU and net[0].approximate == "tanh"
+            and type(net[1]) is torch.nn.Dropout and type(net[2]) is torch.nn.Linear)
+
+
+def feed_forward_linears(ff, path: str) -> list:
+    """A GELU-tanh FeedForward's up and down projections, as replace_fed takes them."""
+    return [(ff.net[0], "proj", f"{path}.net.0.proj", ()), (ff.net, "2", f"{path}.net.2", ())]
+
+
+def _feed_forward_fp8(self, hidden_states, *args, **kwargs):
+    """The FeedForward with its GELU and the quantisation of its hidden state as one
+    quantize_fp8 between the two FP8 GEMMs. Dropout is the identity at inference; in training
+    diffusers' code runs."""
+    if self.training:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    hidden = self.net[0].proj(hidden_states)
+    return self.net[2](Float8Rows(*ops.quantize_fp8(hidden, activation="gelu_tanh")))
+
+
+def wire_feed_forward(patches: list, report: Report, ff, path: str) -> None:
+    """A GELU-tanh FeedForward whose projections replace_fed made FP8: its forward with the fused GELU."""
+    if patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
+        report.replaced.append((path, "quantize_fp8 (GELU)"))

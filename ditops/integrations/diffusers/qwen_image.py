@@ -11,8 +11,8 @@
 With ``quantize="fp8"`` (quantize.py) the norms without ``modulate_index`` give FP8 rows
 (``norm_scale_shift_fp8``, ``residual_norm_scale_shift_fp8``) to the projections they feed
 (q/k/v, the MLPs' up projections), each MLP's GELU and quantisation are one ``quantize_fp8``
-(flux.py's FeedForward forward); the select forms (Qwen-Image-Edit's image stream) give bf16,
-which their projections quantise.
+(quantize.py's FeedForward forward); the select forms (Qwen-Image-Edit's image stream) give
+bf16, which their projections quantise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from ... import ops
 from ...fp8 import Float8Rows
-from . import flux, patching, quantize
+from . import patching, quantize
 
 
 def _halves(t: torch.Tensor) -> tuple:
@@ -124,7 +124,7 @@ class QwenQKNormRopeProcessor(patching.DitopsProcessor):
         if (image_rotary_emb is None or encoder_hidden_states is None or attention_mask is not None
                 or (encoder_hidden_states_mask is not None and self._parallel_config is not None)
                 or patching.hooked(attn, self.bypassed)):
-            return self.original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
+            return self.defer(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
                                  image_rotary_emb)
         head_size = attn.inner_dim // attn.heads
         image_frequencies, text_frequencies = image_rotary_emb  # complex [S, Dh / 2] per stream
@@ -163,26 +163,42 @@ def _attention_supported(attn) -> bool:
 
 def patch(model, patches: list, report, fp8_dtype=None) -> None:
     """Patches Qwen-Image's blocks; with ``fp8_dtype`` their Linears run FP8 (the module docstring)."""
-    suffix = "_fp8" if fp8_dtype is not None else ""
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
+        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
+                                   QwenQKNormRopeProcessor, "qk_norm_rope_")
+        fp8 = fp8_dtype is not None and _quantize_block(block, path, patches, report, fp8_dtype)
+        suffix = "_fp8" if fp8 else ""
         norms = (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)
         if not all(patching.plain_layer_norm(norm) and norm.eps == block.img_norm1.eps for norm in norms):
             report.skipped.append(f"{path}: norms with affine parameters, another type or other eps")
-        elif patching.replace_forward(patches, report, block, path,
-                                      _block_forward if fp8_dtype is None else _block_forward_fp8):
+        elif patching.replace_forward(patches, report, block, path, _block_forward_fp8 if fp8 else _block_forward):
             report.replaced += [(f"{path}.img_norm1, {path}.txt_norm1",
                                  f"norm_scale_shift{suffix} (select with modulate_index)"),
                                 (f"{path}.img_norm2, {path}.txt_norm2",
                                  f"residual_norm_scale_shift{suffix} (select with modulate_index)")]
-        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
-                                   QwenQKNormRopeProcessor, "qk_norm_rope_")
-        if fp8_dtype is not None:
-            attention = block.attn
-            for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"):
-                quantize.replace_linear(patches, report, attention, name, f"{path}.attn.{name}", fp8_dtype)
-            quantize.replace_linear(patches, report, attention.to_out, "0", f"{path}.attn.to_out.0", fp8_dtype)
-            for name in ("img_mlp", "txt_mlp"):
-                flux.quantize_feed_forward(getattr(block, name), f"{path}.{name}", patches, report, fp8_dtype)
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
+
+
+_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+_MLPS = ("img_mlp", "txt_mlp")
+
+
+def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the block's norms feed -> FP8 (both streams' q/k/v and MLPs, the MLPs' GELU
+    + quantisation fused); True where the norms may give them FP8 rows."""
+    if type(block.attn.processor) is not QwenQKNormRopeProcessor:
+        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+        return False
+    if not all(quantize.gelu_tanh_feed_forward(getattr(block, name)) for name in _MLPS):
+        report.skipped.append(f"{path}: its norms give bf16 (an MLP other than diffusers' GELU-tanh FeedForward)")
+        return False
+    linears = quantize.fed(block.attn, _PROJECTIONS, f"{path}.attn")
+    for name in _MLPS:
+        linears += quantize.feed_forward_linears(getattr(block, name), f"{path}.{name}")
+    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
+        return False
+    for name in _MLPS:
+        quantize.wire_feed_forward(patches, report, getattr(block, name), f"{path}.{name}")
+    return True

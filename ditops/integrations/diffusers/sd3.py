@@ -106,7 +106,7 @@ class SD3QKNormProcessor(patching.DitopsProcessor):
         bypassed = self.bypassed if encoder_hidden_states is not None else self.bypassed[:2]
         if (attention_mask is not None or args or kwargs or patching.hooked(attn, bypassed)
                 or any(getattr(attn, name).weight.dtype != hidden_states.dtype for name in bypassed)):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+            return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         heads, image_tokens = attn.heads, hidden_states.shape[1]
         query = _rms_per_head(attn.to_q(hidden_states), attn.norm_q, heads)
         key = _rms_per_head(attn.to_k(hidden_states), attn.norm_k, heads)

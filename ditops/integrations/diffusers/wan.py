@@ -29,7 +29,7 @@ import torch
 
 from ... import ops
 from ...fp8 import Float8Rows
-from . import flux, patching, quantize
+from . import patching, quantize
 
 
 def _block_forward_of(fp8: bool):
@@ -114,9 +114,7 @@ class WanNormRopeProcessor(patching.DitopsProcessor):
         if (rotary_emb is None or rotary_emb[0].shape[0] != 1 or rotary_emb[0].shape[2] != 1
                 or attn.add_k_proj is not None or encoder_hidden_states is not None
                 or patching.hooked(attn, self.bypassed)):
-            if isinstance(hidden_states, Float8Rows):  # quantize="fp8": diffusers' code takes a tensor
-                hidden_states = hidden_states.dequantize(getattr(attn.to_q, "out_dtype", attn.to_q.weight.dtype))
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+            return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
         no_modulation = query.new_zeros(())
         query, key = (ops.norm_scale_shift(t, no_modulation, no_modulation, weight=norm.weight, norm="rms", eps=norm.eps)
@@ -193,21 +191,37 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     for path, block in list(model.named_modules()):
         if not all(hasattr(block, name) for name in _LAYOUT):
             continue
+        patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", _attention_supported(block.attn1),
+                                   WanNormRopeProcessor, "norm_scale_shift (rms), rope_")
         forward = _ditops_forward(block)
         if forward is None:
             report.skipped.append(f"{path}: {type(block).__name__} has Wan's block layout but another forward; "
                                   "its norms stay as diffusers wrote them")
         elif not (_fp32_layer_norm(block.norm1) and _fp32_layer_norm(block.norm3) and _norm2_supported(block.norm2)):
             report.skipped.append(f"{path}: norm1/norm2/norm3 with other parameters or of another type")
-        elif patching.replace_forward(patches, report, block, path, forward if fp8_dtype is None else _FP8_FORWARDS[forward]):
-            suffix = "_fp8" if fp8_dtype is not None else ""
-            report.replaced.append((f"{path}.norm1", "norm_scale_shift" + suffix))
-            if not isinstance(block.norm2, torch.nn.Identity):
-                report.replaced.append((f"{path}.norm2", "residual_norm_scale_shift"))
-            report.replaced.append((f"{path}.norm3", "residual_norm_scale_shift" + suffix))
-            if fp8_dtype is not None:
-                flux.quantize_feed_forward(block.ffn, f"{path}.ffn", patches, report, fp8_dtype)
-        patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", _attention_supported(block.attn1),
-                                   WanNormRopeProcessor, "norm_scale_shift (rms), rope_")
+        else:
+            fp8 = fp8_dtype is not None and _quantize_block(block, path, patches, report, fp8_dtype)
+            if patching.replace_forward(patches, report, block, path, _FP8_FORWARDS[forward] if fp8 else forward):
+                suffix = "_fp8" if fp8 else ""
+                report.replaced.append((f"{path}.norm1", "norm_scale_shift" + suffix))
+                if not isinstance(block.norm2, torch.nn.Identity):
+                    report.replaced.append((f"{path}.norm2", "residual_norm_scale_shift"))
+                report.replaced.append((f"{path}.norm3", "residual_norm_scale_shift" + suffix))
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
+
+
+def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears norm1 and norm3 feed -> FP8 (self-attention's q/k/v where its processor is
+    ditops', the FFN with its GELU + quantisation fused); True where those norms may give FP8
+    rows (norm1 only to the ditops processor: ``_modulated_block`` checks it at every call)."""
+    if not quantize.gelu_tanh_feed_forward(block.ffn):
+        report.skipped.append(f"{path}: its norms give bf16 (an FFN other than diffusers' GELU-tanh FeedForward)")
+        return False
+    linears = quantize.feed_forward_linears(block.ffn, f"{path}.ffn")
+    if type(block.attn1.processor) is WanNormRopeProcessor:
+        linears += quantize.fed(block.attn1, ("to_q", "to_k", "to_v"), f"{path}.attn1")
+    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
+        return False
+    quantize.wire_feed_forward(patches, report, block.ffn, f"{path}.ffn")
+    return True

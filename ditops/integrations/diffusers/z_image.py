@@ -46,7 +46,7 @@ class ZImageQKNormRopeProcessor(patching.DitopsProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
         if freqs_cis is None or encoder_hidden_states is not None or patching.hooked(attn, self.bypassed):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
+            return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
         query, key, value = (projection(hidden_states).unflatten(-1, (attn.heads, -1))
                              for projection in (attn.to_q, attn.to_k, attn.to_v))
         batch, tokens = query.shape[:2]
