@@ -26,7 +26,7 @@ import torch
 from .dispatch import device_info, dispatcher
 from .dispatch.selector import choose
 from .ops import OPS, PUBLIC, ordered_arguments
-from .opspec import SPECS
+from .opspec import FP8_DTYPES, SPECS
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -121,7 +121,7 @@ def compare_fp8(name: str, actual: torch.Tensor, expected: torch.Tensor, conditi
     across a rounding boundary: 1e-5 of the format's range is allowed for it (float32's
     tolerance, relative to the row's largest value, which maps to the range's end), times
     ``conditioning`` (compare's)."""
-    if actual.shape != expected.shape or actual.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+    if actual.shape != expected.shape or actual.dtype not in FP8_DTYPES:
         return f"{name}: got {list(actual.shape)} {actual.dtype}, wanted {list(expected.shape)} FP8"
     if actual.numel() == 0:
         return None

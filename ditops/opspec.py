@@ -130,8 +130,10 @@ def _fp8_arguments(op, x, fp8_dtype, static_scale) -> dict:
     """Checks the FP8 output's arguments (an FP8 dtype, or None where the device has a format;
     an optional one-element float32 static scale) and returns what describe() takes of them:
     static_scale among the tensors, the format and whether the device's hardware has it."""
-    if fp8_dtype is None and fp8_format(x, None) is None:
-        validation.fail(op, "fp8_dtype", f"is None on {device_of(x.get_device())}, which has no FP8 format",
+    device = device_of(x.get_device())
+    formats = fp8_dtypes(device)
+    if fp8_dtype is None and not formats:
+        validation.fail(op, "fp8_dtype", f"is None on {device}, which has no FP8 format",
                         "an FP8 dtype to compute on the reference (FP8 hardware: NVIDIA sm_89+, AMD gfx942, gfx950)")
     if fp8_dtype is not None:
         validation.choice(op, "fp8_dtype", fp8_dtype, FP8_DTYPES)
@@ -139,12 +141,14 @@ def _fp8_arguments(op, x, fp8_dtype, static_scale) -> dict:
         validation.tensor(op, "static_scale", static_scale, (torch.float32, torch.float64), x.device)
         if static_scale.numel() != 1:
             validation.fail(op, "static_scale", f"has shape {list(static_scale.shape)}", "one element (a scalar tensor)")
-    out_dtype = fp8_format(x, fp8_dtype)
-    return dict(params=(static_scale,), out_dtype=out_dtype,
-                out_dtype_native=out_dtype in fp8_dtypes(device_of(x.get_device())))
+    out_dtype = fp8_dtype or formats[0]
+    return dict(params=(static_scale,), out_dtype=out_dtype, out_dtype_native=out_dtype in formats)
 
 
-def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, describe_call, extra=()) -> Optional[Features]:
+def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, describe_call,
+                               extra: Optional[Callable] = None) -> Optional[Features]:
+    """The norm op's checks and features; ``extra``: the FP8 form's further checks, after these
+    (``_fp8_arguments``: what describe() takes of them)."""
     validation.tensor(op, "x", x)
     device = x.device
     shape = validation.rows(op, "x", x)
@@ -168,7 +172,7 @@ def _check_norm_scale_shift_fp8(x, scale, shift, weight, bias, norm, eps, fp8_dt
 
 
 def _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call,
-                                        extra=()) -> Optional[Features]:
+                                        extra: Optional[Callable] = None) -> Optional[Features]:
     device = validation.activation_pair(op, "x", x, "residual", residual)
     shape = validation.rows(op, "x", x)
     gate_form = () if gate is None else (validation.modulation(op, "gate", gate, shape, device),)  # None: a gate of 1

@@ -26,6 +26,7 @@ from .. import __version__, dispatch, explain
 from ..conformance import TOLERANCES
 from ..dispatch.selector import device_refusal
 from ..ops import PUBLIC
+from ..opspec import SPECS
 from . import baselines, report, timing
 from .cases import CASES, BenchCase, cpu_case, minimum_bytes
 
@@ -117,23 +118,20 @@ def candidates(case: BenchCase, arguments: dict, explanation, wanted: Optional[s
     return [item for item in found if wanted is None or item[0] in wanted]
 
 
-def _dequantized(outputs: tuple) -> tuple:
-    """FP8 rows and their scales (the first two outputs of an FP8 op) as the float32 values they
-    stand for, then the other outputs."""
-    if len(outputs) < 2 or not (outputs[0].element_size() == 1 and outputs[0].is_floating_point()):
-        return outputs
-    return (outputs[0].float() * outputs[1],) + outputs[2:]
+def _dequantized(outputs: tuple, quantized: bool) -> tuple:
+    """An FP8 op's FP8 rows and their scales (its first two outputs, ``quantized``: the op spec's)
+    as the float32 values they stand for, then the other outputs; any other op's as they are."""
+    return (outputs[0].float() * outputs[1],) + outputs[2:] if quantized else outputs
 
 
-def _check(call: Callable, expected: tuple, dtype: torch.dtype) -> tuple:
+def _check(call: Callable, expected: tuple, dtype: torch.dtype, quantized: bool) -> tuple:
     """(correct, max abs error) of one call's outputs against the reference's; FP8 outputs
-    dequantised, within one FP8 step (a value computed in another order may round to the
-    neighbouring step) of the reference's row amax."""
+    (``quantized``) dequantised, within one FP8 step (a value computed in another order may
+    round to the neighbouring step) of the reference's row amax."""
     actual = _outputs(call())
     if len(actual) != len(expected):
         return False, None
-    quantized = len(expected) >= 2 and expected[0].element_size() == 1 and expected[0].is_floating_point()
-    actual, expected = _dequantized(actual), _dequantized(expected)
+    actual, expected = _dequantized(actual, quantized), _dequantized(expected, quantized)
     worst, correct = 0.0, True
     for position, (got, want) in enumerate(zip(actual, expected)):
         got, want = got.float().reshape(want.shape), want.float()
@@ -170,7 +168,8 @@ def run_case(case: BenchCase, device: str, dtype: torch.dtype, wanted: Optional[
         if make_call is None:
             continue
         try:
-            row["correct"], row["max_error"] = _check(make_call(_clone(pristine)), expected, dtype)
+            row["correct"], row["max_error"] = _check(make_call(_clone(pristine)), expected, dtype,
+                                                      SPECS[case.op].quantized)
             calls = [make_call(arguments) for arguments in sets]
             if device == "cpu":
                 row["us"], row["spread_pct"] = timing.host(calls)

@@ -143,7 +143,7 @@ def _quantize_rows(v: Tensor, fp8_dtype: torch.dtype, static_scale: Optional[Ten
 
 
 def norm_scale_shift_fp8(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
-                         fp8_dtype=torch.float8_e4m3fn, static_scale=None, y=None, y_scale=None):
+                         fp8_dtype=None, static_scale=None, y=None, y_scale=None):
     """norm_scale_shift's y as FP8 rows and their float32 scales [..., 1] (_quantize_rows),
     from the float32 values before any rounding. Returns (y, y_scale)."""
     compute = _compute_dtype(x)
@@ -152,7 +152,7 @@ def norm_scale_shift_fp8(x, scale, shift, weight=None, bias=None, norm="layer", 
 
 
 def residual_norm_scale_shift_fp8(x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
-                                  fp8_dtype=torch.float8_e4m3fn, static_scale=None, y=None, y_scale=None,
+                                  fp8_dtype=None, static_scale=None, y=None, y_scale=None,
                                   residual_out=None):
     """residual_norm_scale_shift with y as FP8 rows and their scales. Returns (y, y_scale, residual_out)."""
     compute = _compute_dtype(x)
@@ -167,7 +167,7 @@ def gelu_tanh(v: Tensor) -> Tensor:
     return 0.5 * v * (1 + torch.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
 
 
-def quantize_fp8(x, activation=None, fp8_dtype=torch.float8_e4m3fn, static_scale=None, y=None, y_scale=None):
+def quantize_fp8(x, activation=None, fp8_dtype=None, static_scale=None, y=None, y_scale=None):
     """Rows of x, after ``activation`` (None or "gelu_tanh"), as FP8 rows and their float32
     scales (_quantize_rows). Returns (y, y_scale)."""
     v = x.to(_compute_dtype(x))

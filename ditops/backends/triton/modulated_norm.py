@@ -1,7 +1,7 @@
 """y = norm(v) * (1 + scale) + shift, where v = x, or v = residual + gate * x stored first as
-residual_out (ops 1 and 2); with QUANT, y as FP8 rows and their scales (their _fp8 forms). A program normalises blocks of ROWS_PER_PROGRAM rows held in
-registers as a head and a tail tile (row_math.py): every element is read once and written
-once. With EARLY_LOADS every load of both tiles comes before the first store; with HOIST (a
+residual_out (ops 1 and 2); with QUANT, y as FP8 rows and their scales (their _fp8 forms). A
+program normalises blocks of ROWS_PER_PROGRAM rows held in registers as a head and a tail tile
+(row_math.py): every element is read once and written once. With EARLY_LOADS every load of both tiles comes before the first store; with HOIST (a
 row loop, launch.row_grid) gate, scale and shift are loaded once, before the loop over blocks
 (row_math.py says when and why)."""
 

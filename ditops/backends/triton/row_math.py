@@ -118,13 +118,19 @@ def fold_affine(multiplier, addend, weight, bias, columns, mask, HAS_WEIGHT: tl.
 
 
 @triton.jit
+def _saturate(values, FP8_MAX: tl.constexpr):
+    """values clamped to +-FP8_MAX by selects (Triton's min and max drop NaN; a select keeps it)."""
+    return tl.where(values > FP8_MAX, FP8_MAX, tl.where(values < -FP8_MAX, -FP8_MAX, values))
+
+
+@triton.jit
 def store_quantized(y, y_scale, static_scale, row, hidden, values, values_tail, head, head_mask, tail, tail_mask,
                     FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr):
     """Rows held as head and tail (zeros where masked), stored as FP8 values with one float32
     scale per row (backends/reference's _quantize_rows is the definition): dynamic, the row's
     amax over FP8_MAX, floored at 1e-12 / FP8_MAX, and NaN for a row holding NaN or Inf; or
-    the one static scale, values beyond +-FP8_MAX saturating. Comparisons against FLT_MAX find
-    NaN and Inf (Triton's max drops NaN); selects, not min/max, saturate, so NaN stays NaN."""
+    the one static scale, values beyond +-FP8_MAX saturating (NaN stays NaN). Comparisons
+    against FLT_MAX find NaN and Inf (Triton's max drops NaN)."""
     finite = (tl.abs(values) <= 3.4028234663852886e38).to(tl.int32)
     finite_tail = (tl.abs(values_tail) <= 3.4028234663852886e38).to(tl.int32)
     if HAS_STATIC_SCALE:
@@ -134,11 +140,9 @@ def store_quantized(y, y_scale, static_scale, row, hidden, values, values_tail, 
         bad = (tl.min(finite, axis=1) * tl.min(finite_tail, axis=1))[:, None] == 0
         scale = tl.where(bad, float("nan"), tl.maximum(amax, 1e-12) / FP8_MAX)
     inverse = 1.0 / scale  # one division per row: an IEEE division per value made the kernel compute-bound
-    scaled = values * inverse
-    scaled = tl.where(scaled > FP8_MAX, FP8_MAX, tl.where(scaled < -FP8_MAX, -FP8_MAX, scaled))
-    scaled_tail = values_tail * inverse
-    scaled_tail = tl.where(scaled_tail > FP8_MAX, FP8_MAX, tl.where(scaled_tail < -FP8_MAX, -FP8_MAX, scaled_tail))
-    tl.store(y + row * hidden + head, scaled.to(y.dtype.element_ty), mask=head_mask, eviction_policy="evict_first")
-    tl.store(y + row * hidden + tail, scaled_tail.to(y.dtype.element_ty), mask=tail_mask, eviction_policy="evict_first")
+    tl.store(y + row * hidden + head, _saturate(values * inverse, FP8_MAX).to(y.dtype.element_ty), mask=head_mask,
+             eviction_policy="evict_first")
+    tl.store(y + row * hidden + tail, _saturate(values_tail * inverse, FP8_MAX).to(y.dtype.element_ty), mask=tail_mask,
+             eviction_policy="evict_first")
     written = tl.max(head_mask.to(tl.int32), axis=1)[:, None] > 0  # rows past the last token write nothing
     tl.store(y_scale + row, scale, mask=written)
