@@ -81,9 +81,15 @@ def linear(rows: Float8Rows, weight: Tensor, weight_scale: Tensor, bias: Optiona
     weight [N, K] with scales [1, N]. Fast accumulation, as torchao's rowwise FP8 inference."""
     data, scale = rows
     leading = data.shape[:-1]
+    if not data.is_cuda:
+        # torch's CPU _scaled_mm takes rowwise scales only from 2.13 on: the same product,
+        # the FP8 values exact in float32
+        out = torch.nn.functional.linear(data.float() * scale, weight.float() * weight_scale.reshape(-1, 1),
+                                         None if bias is None else bias.float())
+        return out.to(out_dtype)
     fused_bias = bias if out_dtype != torch.float32 else None  # the GEMM takes a bias with a 16-bit output only
     out = torch._scaled_mm(data.reshape(-1, data.shape[-1]), weight.t(), scale_a=scale.reshape(-1, 1),
-                           scale_b=weight_scale, bias=fused_bias, out_dtype=out_dtype, use_fast_accum=data.is_cuda)
+                           scale_b=weight_scale, bias=fused_bias, out_dtype=out_dtype, use_fast_accum=True)
     if bias is not None and fused_bias is None:
         out = out + bias
     return out.reshape(*leading, weight.shape[0])

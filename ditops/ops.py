@@ -267,7 +267,7 @@ def _python_signature(schema) -> inspect.Signature:
         return Optional[python_type] if optional else python_type
 
     parameters = [
-        inspect.Parameter(argument.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation(str(argument.type)))
+        inspect.Parameter(argument.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation(str(argument.real_type)))
         for argument in schema.arguments
     ]
     returns = [Tensor] * len(schema.returns)

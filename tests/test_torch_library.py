@@ -26,6 +26,15 @@ def test_in_place_ops_declare_their_mutations():
         assert mutated == ["q", "k"]
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_the_traced_op_takes_the_public_ops_argument_types(op):
+    """A GPU graph holds ``<op>_traced``, whose schema triton_op infers from a Python signature
+    built from the op's: each argument keeps its type (a ScalarType must not become an int)."""
+    public = getattr(torch.ops.ditops, op).default._schema
+    traced = getattr(torch.ops.ditops, op + "_traced").default._schema
+    assert [(a.name, str(a.real_type)) for a in traced.arguments] == [(a.name, str(a.real_type)) for a in public.arguments]
+
+
 def dit_block(x, residual, q, k, modulation, weight, cache, gate_index):
     """Norm, attention-side QK-norm + RoPE, gated residual, per-token selected modulation."""
     shift, scale, gate = modulation[:, 0], modulation[:, 1], modulation[:, 2]
