@@ -1,8 +1,8 @@
 """Every CUDA kernel instance the registry can select compiles with NVRTC to machine code for
-sm_80 and sm_90, with no GPU: a real cubin (ELF for the CUDA machine) holding the kernel,
-within the register file and with nothing in local memory (no spills, no stack frame).
-That takes minutes on a CPU: it runs under ``-m exhaustive``; the default run compiles one
-instance for sm_90."""
+sm_80 and sm_90 (the FP8 kernels also for sm_89, the first with FP8 conversions), with no GPU:
+a real cubin (ELF for the CUDA machine) holding the kernel, within the register file and with
+nothing in local memory (no spills, no stack frame). That takes minutes on a CPU: it runs
+under ``-m exhaustive``; the default run compiles one instance of each kernel for sm_90."""
 
 import itertools
 import struct
@@ -19,13 +19,21 @@ nvrtc = pytest.importorskip("ditops.backends.cuda.nvrtc")
 
 EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
 INSTANCES = compiled.all_instances()
-SMOKE = ("sm_90", compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True))  # FLUX's norm, with an affine
+SMOKE = {("sm_90", instance) for instance in (
+    compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True),  # FLUX's norm, with an affine
+    compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True, torch.float8_e4m3fn),  # its FP8 form
+    compiled.quantize_instance(torch.bfloat16, torch.float8_e4m3fn, True, 12288),  # FLUX's MLP activation
+)}
+
+
+def _fp8(instance) -> bool:
+    return any(argument in compiled.FP8_TYPES.values() for argument in instance.template_arguments)
 
 
 @pytest.mark.parametrize("arch, instance", [
     pytest.param(arch, instance, id=f"{arch}-{instance.name_expression.replace(' ', '')}",
-                 marks=() if (arch, instance) == SMOKE else pytest.mark.exhaustive)
-    for arch in ("sm_80", "sm_90") for instance in INSTANCES
+                 marks=() if (arch, instance) in SMOKE else pytest.mark.exhaustive)
+    for arch in ("sm_80", "sm_89", "sm_90") for instance in INSTANCES if arch != "sm_89" or _fp8(instance)
 ])
 def test_instance_compiles_to_cubin_without_local_memory(arch, instance):
     compiled = nvrtc.compile_instance(instance, arch)
@@ -51,6 +59,10 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
         assert {compiled.rotary_instance(dtype, head_size, interleaved, streaming)
                 for interleaved, streaming in itertools.product((False, True), (False, True))} <= tested
+    for dtype, fp8_dtype, hidden in itertools.product(dtypes, compiled.FP8_TYPES, range(8, 16384 + 1, 8)):
+        assert {compiled.quantize_instance(dtype, fp8_dtype, gelu, hidden) for gelu in (False, True)} <= tested
+        assert {compiled.row_instance("modulated_norm", dtype, param_dtype, hidden, affine, fp8_dtype)
+                for param_dtype, affine in itertools.product(dtypes, (False, True))} <= tested
 
 
 def test_min_blocks_come_from_the_launch_table_for_16_bit_rows_only():
@@ -61,15 +73,16 @@ def test_min_blocks_come_from_the_launch_table_for_16_bit_rows_only():
         for kernel in compiled.ROW_KERNELS:
             wanted = entry.get("min_blocks", {}).get(kernel, 1)
             for dtype in (torch.float16, torch.bfloat16):
-                assert compiled.row_instance(kernel, dtype, torch.float32, entry["max_hidden"], True).template_arguments[-1] == wanted
-            assert compiled.row_instance(kernel, torch.float32, torch.bfloat16, entry["max_hidden"], True).template_arguments[-1] == 1
+                assert compiled.row_instance(kernel, dtype, torch.float32, entry["max_hidden"], True).template_arguments[6] == wanted
+            assert compiled.row_instance(kernel, torch.float32, torch.bfloat16, entry["max_hidden"], True).template_arguments[6] == 1
     assert any(entry.get("min_blocks") for entry in compiled._launch_settings()["rows"])
 
 
 def test_a_block_that_splits_a_row_group_does_not_compile():
     """96 threads a row in a block of 128 would leave a partial group whose warps read past the
     shared partial sums (seen as wrong results in a sweep): the reduction refuses it."""
-    instance = compiled.Instance("modulated_norm.cu", "modulated_norm", ("bfloat16", "bfloat16", "false", 96, 4, 128, 1), 128, 96)
+    instance = compiled.Instance("modulated_norm.cu", "modulated_norm", ("bfloat16", "bfloat16", "false", 96, 4, 128, 1, "bfloat16"),
+                                 128, 96)
     with pytest.raises(nvrtc.CompileError, match="whole groups"):
         nvrtc.compile_instance(instance, "sm_90")
 
@@ -77,22 +90,46 @@ def test_a_block_that_splits_a_row_group_does_not_compile():
 def test_a_row_call_takes_the_affine_instance_exactly_when_it_has_a_weight_or_bias():
     """The instance without an affine compiles the weight and bias away, so a call that has
     either must get the other one: checked on every row-op conformance case's launch (built
-    on the CPU, nothing launched)."""
+    on the CPU, nothing launched). An FP8 call's instance stores y's format."""
     from ditops.backends.cuda import KERNELS
 
     seen = set()
     for case in conformance.CASES:
-        if case.op in ("qk_norm_rope_", "rope_") or SPECS[case.op].quantized:  # no FP8 kernels in cuda
+        if case.op in ("qk_norm_rope_", "rope_", "quantize_fp8"):  # no norm weight or bias
             continue
         values = case.arguments(torch.bfloat16, "cpu")
         arguments, _ = ordered_arguments(case.op, **values)
         if OPS[case.op].check(*arguments) is None:
             continue  # empty input: nothing is launched
-        launch = getattr(KERNELS, case.op + "_launch")(*arguments, *OPS[case.op].outputs(*arguments))
+        outputs = OPS[case.op].outputs(*arguments)
+        launch = getattr(KERNELS, case.op + "_launch")(*arguments, *outputs)
         affine = any(values.get(name) is not None for name in ("weight", "bias", "weight2", "bias2"))
         assert launch.instance.template_arguments[2] == ("true" if affine else "false"), case.id
+        if SPECS[case.op].quantized:
+            assert launch.instance.template_arguments[-1] == compiled.FP8_TYPES[outputs[0].dtype], case.id
         seen.add(affine)
     assert seen == {False, True}
+
+
+def test_a_quantize_call_takes_the_instance_of_its_format_and_activation():
+    """quantize_fp8's launch (built on the CPU) picks the row_quantize instance of y's FP8
+    format, with GELU exactly when the call asks for it, in the row class of its D."""
+    from ditops.backends.cuda import KERNELS
+
+    gelus = set()
+    for case in conformance.CASES:
+        if case.op != "quantize_fp8":
+            continue
+        for fp8_dtype in compiled.FP8_TYPES:
+            values = dict(case.arguments(torch.bfloat16, "cpu"), fp8_dtype=fp8_dtype)
+            arguments, _ = ordered_arguments(case.op, **values)
+            if OPS[case.op].check(*arguments) is None:
+                continue  # empty input: nothing is launched
+            launch = KERNELS.quantize_fp8_launch(*arguments, *OPS[case.op].outputs(*arguments))
+            gelu = values["activation"] == "gelu_tanh"
+            assert launch.instance == compiled.quantize_instance(torch.bfloat16, fp8_dtype, gelu, values["x"].shape[-1])
+            gelus.add(gelu)
+    assert gelus == {False, True}
 
 
 def test_the_instance_stats_script_reports_the_compiled_registers():

@@ -17,7 +17,7 @@ from ditops.dispatch import device as device_module
 from ditops.examples import example_arguments
 from ditops.opspec import SPECS
 
-KERNEL_OPS = [op for op in dispatch.OPS if not SPECS[op].quantized]  # the FP8 ops have triton alone, no cuda, rocm or toy rows
+KERNEL_OPS = [op for op in dispatch.OPS if not SPECS[op].quantized]  # the toy registries have no rows for the FP8 ops
 
 BF16 = torch.bfloat16
 
@@ -424,11 +424,11 @@ def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason
         expected = expected["heads" if op.endswith("_") else "rows"]
         if expected == "rocm" and ROCM_REFUSAL:  # without hip-python, triton is next
             expected = "triton"
-    if SPECS[op].quantized:  # FP8 outputs: triton alone, where the device has an FP8 format
-        if expected == "rocm":
-            expected = "triton"
+    if SPECS[op].quantized:  # FP8 outputs: kernels only where the device has an FP8 format
         if reason is None and arch in ("sm_80", "gfx90a"):
             expected, reason = "reference", f"needs a GPU with hardware float8_e4m3fn (fp8_formats), not {arch}"
+        elif op == "quantize_fp8" and arch == "gfx942" and not ROCM_REFUSAL:  # no parameters to mix: rocm takes it
+            expected = "rocm"
     assert explanation.selected == expected
     refusal = {row.backend: row.refusal for row in explanation.candidates}["triton"]
     assert refusal is None if reason is None else refusal.startswith(reason)
@@ -441,7 +441,7 @@ def test_triton_refuses_rows_it_cannot_hold_in_registers():
     assert {row.backend: row.refusal for row in explanation.candidates}["triton"] == "supports D <= 16384, got D=20000"
 
 
-@pytest.mark.parametrize("op", KERNEL_OPS)
+@pytest.mark.parametrize("op", dispatch.OPS)
 def test_cuda_serves_nvidia_when_triton_is_disabled(op, tmp_path):
     """cuda is the next NVIDIA kernel backend: with triton disabled it takes every op at one
     parameter dtype, and mixed parameter dtypes fall to the reference with the reason."""
@@ -453,7 +453,7 @@ def test_cuda_serves_nvidia_when_triton_is_disabled(op, tmp_path):
         uniform = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
         mixed = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16))
     assert uniform.selected == "cuda"
-    if not op.endswith("_"):
+    if not op.endswith("_") and op != "quantize_fp8":  # quantize_fp8 has no parameters
         assert mixed.selected == "reference"
         assert {row.backend: row.refusal for row in mixed.candidates}["cuda"].startswith("needs modulation/weight tensors of one dtype")
 
@@ -463,10 +463,17 @@ ROCM_REFUSAL = dispatch.dispatcher().registry.backends["rocm"].refusal(dispatch.
 
 @pytest.mark.skipif(bool(ROCM_REFUSAL), reason=f"rocm backend unavailable here: {ROCM_REFUSAL}")
 @pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
-@pytest.mark.parametrize("op", KERNEL_OPS)
+@pytest.mark.parametrize("op", dispatch.OPS)
 def test_rocm_serves_cdna_gpus(op, arch, rocm_6):
     """On gfx90a and gfx942 every op goes to rocm when its parameters share a dtype; rows
-    with mixed parameter dtypes and misaligned views go to triton, with rocm's reason."""
+    with mixed parameter dtypes and misaligned views go to triton, with rocm's reason. The FP8
+    ops go to rocm on gfx942 only (gfx90a has no FP8 format: the reference serves them)."""
+    if SPECS[op].quantized and arch == "gfx90a":
+        with described(arch):
+            explanation = ditops.explain(op, **example_arguments(op, (2, 8, 64), torch.bfloat16, param_dtype=torch.float32))
+        assert explanation.selected == "reference"
+        assert refusals_of(explanation)["rocm"] == "needs a GPU with hardware float8_e4m3fn (fp8_formats), not gfx90a"
+        return
     shape = (8, 4, 64) if op.endswith("_") else (2, 8, 64)
     with described(arch):
         uniform = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
@@ -478,7 +485,7 @@ def test_rocm_serves_cdna_gpus(op, arch, rocm_6):
     assert uniform.selected == "rocm"
     assert misaligned.selected == "triton"
     assert refusals_of(misaligned)["rocm"].startswith("needs 16-byte aligned data pointers and strides")
-    if not op.endswith("_"):
+    if not op.endswith("_") and op != "quantize_fp8":  # quantize_fp8 has no parameters
         assert mixed.selected == "triton"
         assert refusals_of(mixed)["rocm"].startswith("needs modulation/weight tensors of one dtype")
 
@@ -490,8 +497,7 @@ def test_gfx950_goes_to_triton(op):
     with described("gfx950"):
         explanation = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32))
     assert explanation.selected == "triton"
-    if op in KERNEL_OPS:
-        assert refusals_of(explanation)["rocm"] == "supports AMD gfx90a, gfx942, not gfx950"
+    assert refusals_of(explanation)["rocm"] == "supports AMD gfx90a, gfx942, not gfx950"
 
 
 def refusals_of(explanation) -> dict:

@@ -7,7 +7,7 @@ CI installs Debian's ROCm 5.2 and clang-19 and sets DITOPS_REQUIRE_ROCM_TOOLS=1:
 missing tool fails these tests; elsewhere it skips them with the reason.
 
 Compiling every instance takes minutes on a CPU: it runs under ``-m exhaustive``; the default
-run compiles one instance for gfx90a.
+run compiles one instance for gfx90a, and the FP8 kernels' instances of each format.
 """
 
 import functools
@@ -19,8 +19,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
-from ditops.backends.compiled import SOURCES, all_instances
+from ditops.backends.compiled import FP8_TYPES, SOURCES, all_instances, quantize_instance, row_instance
 
 EM_AMDGPU = 224
 MACHINES = {"gfx90a": 0x3F, "gfx942": 0x4C}  # EF_AMDGPU_MACH in the ELF flags
@@ -68,6 +69,20 @@ def test_hiprtc_compiles_an_instance_for_gfx90a():
     """The default run's smoke compile: one instance of the rotary kernel (the quickest source)."""
     compiled = hiprtc_module().compile_instances(INSTANCES["rotary.cu"][:1], "gfx90a")
     check_code_object(compiled.code, "gfx90a", compiled.lowered_names.values(), 1)
+
+
+def test_hiprtc_compiles_the_fp8_kernels_for_gfx90a():
+    """The default run's FP8 smoke compile: each FP8 kernel in each format (fp8.cuh's software
+    conversion, the only one on AMD), with and without GELU and an affine."""
+    instances = {
+        "modulated_norm.cu": [row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, affine, fp8_dtype)
+                              for affine, fp8_dtype in zip((False, True), FP8_TYPES)],
+        "row_quantize.cu": [quantize_instance(torch.float16, fp8_dtype, gelu, 12288)
+                            for gelu, fp8_dtype in zip((True, False), FP8_TYPES)],
+    }
+    for source, chosen in instances.items():
+        compiled = hiprtc_module().compile_instances(chosen, "gfx90a")
+        check_code_object(compiled.code, "gfx90a", compiled.lowered_names.values(), len(chosen))
 
 
 @pytest.mark.exhaustive

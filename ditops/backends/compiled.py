@@ -31,6 +31,10 @@ LAUNCH_FILE = Path(__file__).resolve().parents[1] / "configs" / "compiled_launch
 
 # Activation dtypes as template arguments; parameter dtypes as the run-time codes of memory.cuh.
 C_TYPES = {torch.float32: "float", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+FP8_TYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e4m3fnuz: "float8_e4m3fnuz"}  # fp8.cuh
+# Row kernels whose last template argument is y's type (x's, or an FP8 format), always spelled
+# out: hiprtc finds an instance by its arguments' spelling, and a default argument has none.
+Y_TYPED_KERNELS = ("modulated_norm",)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CHUNK = 8  # elements per thread access (kChunk in memory.cuh)
 MIN_ROW_BLOCK = 128
@@ -72,23 +76,39 @@ def divisor(d: int) -> tuple:
     return (-(-(1 << (31 + shift)) // d), shift)
 
 
-def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int, affine: bool) -> Instance:
+def _row_layout(name: str, dtype: torch.dtype, hidden: int) -> tuple:
+    """(threads per row, chunks, block, min_blocks) of the first row class with max_hidden >= D;
+    name: the kernel's key in the class's min_blocks."""
+    for entry in _launch_settings()["rows"]:
+        if hidden <= entry["max_hidden"]:
+            threads, chunks = entry["row_threads"], entry["chunks"]
+            # float32 rows take twice the registers: capped as tightly, they spill
+            min_blocks = entry.get("min_blocks", {}).get(name, 1) if dtype != torch.float32 else 1
+            return threads, chunks, max(threads, MIN_ROW_BLOCK), min_blocks
+    raise ValueError(f"no compiled launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
+
+
+def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidden: int, affine: bool,
+                 fp8_dtype: Optional[torch.dtype] = None) -> Instance:
     """A row kernel for activations of dtype and weights/modulation of param_dtype, in the
     layout of the first row class with max_hidden >= D; affine: the call has a norm weight or
     bias. That is a template flag, not a run-time test like the kernels' other options,
     because registers are allocated for a kernel's every path: preloaded weight and bias
     (row_tile.cuh) in an instance that never uses them cost registers, and so occupancy, on
-    the calls without an affine (FLUX.2, HunyuanVideo)."""
-    for entry in _launch_settings()["rows"]:
-        if hidden <= entry["max_hidden"]:
-            threads, chunks = entry["row_threads"], entry["chunks"]
-            block = max(threads, MIN_ROW_BLOCK)
-            # float32 rows take twice the registers: capped as tightly, they spill
-            min_blocks = entry.get("min_blocks", {}).get(kernel, 1) if dtype != torch.float32 else 1
-            arguments = (C_TYPES[dtype], C_TYPES[param_dtype], "true" if affine else "false", threads, chunks, block,
-                         min_blocks)
-            return Instance(f"{kernel}.cu", kernel, arguments, block, threads)
-    raise ValueError(f"no compiled launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
+    the calls without an affine (FLUX.2, HunyuanVideo). fp8_dtype: y in that FP8 format
+    (modulated_norm only), its min_blocks the launch table's ``<kernel>_fp8``."""
+    threads, chunks, block, min_blocks = _row_layout(kernel + ("_fp8" if fp8_dtype else ""), dtype, hidden)
+    arguments = (C_TYPES[dtype], C_TYPES[param_dtype], "true" if affine else "false", threads, chunks, block, min_blocks)
+    if kernel in Y_TYPED_KERNELS:
+        arguments += (FP8_TYPES[fp8_dtype] if fp8_dtype else C_TYPES[dtype],)
+    return Instance(f"{kernel}.cu", kernel, arguments, block, threads)
+
+
+def quantize_instance(dtype: torch.dtype, fp8_dtype: torch.dtype, gelu: bool, hidden: int) -> Instance:
+    """The row_quantize kernel (quantize_fp8) for activations of dtype, in the row classes' layouts."""
+    threads, chunks, block, min_blocks = _row_layout("row_quantize", dtype, hidden)
+    arguments = (C_TYPES[dtype], FP8_TYPES[fp8_dtype], "true" if gelu else "false", threads, chunks, block, min_blocks)
+    return Instance("row_quantize.cu", "row_quantize", arguments, block, threads)
 
 
 def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False) -> Instance:
@@ -125,12 +145,18 @@ SEGMENT = 32  # lanes the rotary kernel packs whole heads into (kSegment in port
 
 def all_instances() -> list:
     """Every instance the registry can select: each kernel x activation dtype x parameter dtype x
-    launch class x with or without an affine."""
+    launch class x with or without an affine; the FP8 kernels in each FP8 format (either
+    backend compiles both: e4m3fnuz runs in software on NVIDIA, fp8.cuh)."""
     instances = []
+    rows = [entry["max_hidden"] for entry in _launch_settings()["rows"]]
     for dtype in C_TYPES:
-        for param_dtype, kernel, entry, affine in itertools.product(C_TYPES, ROW_KERNELS, _launch_settings()["rows"],
-                                                                    (False, True)):
-            instances.append(row_instance(kernel, dtype, param_dtype, entry["max_hidden"], affine))
+        for param_dtype, kernel, hidden, affine in itertools.product(C_TYPES, ROW_KERNELS, rows, (False, True)):
+            instances.append(row_instance(kernel, dtype, param_dtype, hidden, affine))
+        for kernel, param_dtype, hidden, affine, fp8_dtype in itertools.product(Y_TYPED_KERNELS, C_TYPES, rows,
+                                                                                (False, True), FP8_TYPES):
+            instances.append(row_instance(kernel, dtype, param_dtype, hidden, affine, fp8_dtype))
+        instances += [quantize_instance(dtype, fp8_dtype, gelu, hidden)
+                      for fp8_dtype, gelu, hidden in itertools.product(FP8_TYPES, (False, True), rows)]
         instances += [rotary_instance(dtype, head_size, interleaved, streaming)
                       for head_size, interleaved, streaming in itertools.product(ROTARY_HEAD_SIZES, (False, True), (False, True))]
     return list(dict.fromkeys(instances))
@@ -281,33 +307,55 @@ class CompiledOps:
 
         return Kernel(run, bind)
 
-    def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list,
-                     norm_params: tuple) -> Optional[CompiledLaunch]:
+    def _rows_launch(self, kernel: str, x: torch.Tensor, params: tuple, arguments: list, norm_params: tuple,
+                     fp8_dtype: Optional[torch.dtype] = None) -> Optional[CompiledLaunch]:
         """params: the weight and modulation tensors (their dtype is the kernel's P);
-        norm_params: the norms' weights and biases, any of which makes the instance affine."""
+        norm_params: the norms' weights and biases, any of which makes the instance affine;
+        fp8_dtype: y's FP8 format, None for y like x."""
+        affine = any(t is not None for t in norm_params)
+        return self._row_grid(kernel, x, arguments, lambda hidden: row_instance(
+            kernel, x.dtype, _param_dtype(x, params), hidden, affine, fp8_dtype))
+
+    def _row_grid(self, kernel: str, x: torch.Tensor, arguments: list,
+                  instance_of: Callable[[int], Instance]) -> Optional[CompiledLaunch]:
+        """A row kernel's launch over x's rows: the instance for D, a block's rows at a time."""
         shape = rows_of(x)
         rows = shape.batch * shape.tokens
         if rows == 0 or shape.hidden == 0:
             return None
         if rows >= 2**31:
             raise ValueError(f"{kernel}: B * S = {rows} rows; the compiled kernels index rows with 32 bits")
-        affine = any(t is not None for t in norm_params)
-        instance = row_instance(kernel, x.dtype, _param_dtype(x, params), shape.hidden, affine)
+        instance = instance_of(shape.hidden)
         rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
         return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, shape.hidden])
 
-    def _modulated_norm(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+    def _modulated_norm(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale=None,
+                        static_scale=None):
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(residual), modulation(gate, tokens), modulation(scale, tokens),
-                     modulation(shift, tokens), weight, bias, y, residual_out, float(eps), int(norm == "rms")]
-        return self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments, (weight, bias))
+                     modulation(shift, tokens), weight, bias, y, residual_out, y_scale, static_scale, float(eps),
+                     int(norm == "rms")]
+        return self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments, (weight, bias),
+                                 y.dtype if y_scale is not None else None)
 
     def norm_scale_shift_launch(self, x, scale, shift, weight, bias, norm, eps, y):
         return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
 
     def residual_norm_scale_shift_launch(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
         return self._modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
+
+    def norm_scale_shift_fp8_launch(self, x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, y, y_scale):
+        return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None, y_scale, static_scale)
+
+    def residual_norm_scale_shift_fp8_launch(self, x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype,
+                                             static_scale, y, y_scale, residual_out):
+        return self._modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale,
+                                    static_scale)
+
+    def quantize_fp8_launch(self, x, activation, fp8_dtype, static_scale, y, y_scale):
+        return self._row_grid("row_quantize", x, [_rows(x), y, y_scale, static_scale], lambda hidden: quantize_instance(
+            x.dtype, y.dtype, activation == "gelu_tanh", hidden))
 
     def _selected_modulation_norm(self, x, residual, residual_gate, index, modulations, weight, bias, eps,
                                   y, residual_out, gate_out):

@@ -75,6 +75,19 @@ __device__ inline void store_chunk(T* target, const float (&values)[kChunk]) {
     for (int w = 0; w < ChunkWords<T>::count; ++w) store_hinted<STREAMING>(reinterpret_cast<uint4*>(target) + w, words[w]);
 }
 
+// A chunk as FP8 codes of format F (fp8.cuh), one 8-byte store: FP8 rows are 8-byte aligned
+// where their 16-bit or float inputs are 16-byte aligned. Two words, not an array (as above).
+template <typename F>
+__device__ inline void store_fp8_chunk(F* target, const float (&values)[kChunk]) {
+    unsigned low = 0, high = 0;
+#pragma unroll
+    for (int e = 0; e < kChunk / 2; ++e) {
+        low |= fp8_bits<F>(values[e]) << (8 * e);
+        high |= fp8_bits<F>(values[e + kChunk / 2]) << (8 * e);
+    }
+    *reinterpret_cast<uint2*>(target) = make_uint2(low, high);
+}
+
 // The run-time dtype of a tensor whose dtype is not a template argument (the rotary kernel's
 // weights and cos/sin cache: real models mix them, and a head needs only a few values).
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };

@@ -1,6 +1,7 @@
-// What differs between NVIDIA (NVRTC) and AMD (hiprtc): the warp width, lane exchanges and
-// the 16-bit float types. Kernel files use only what this header defines, so the code an AMD
-// GPU runs differs from what an NVIDIA GPU runs only in kWarpSize.
+// What differs between NVIDIA (NVRTC) and AMD (hiprtc): the warp width, lane exchanges, the
+// 16-bit float types and the FP8 conversion. Kernel files use only what this header defines, so
+// the code an AMD GPU runs differs from what an NVIDIA GPU runs only in kWarpSize and in how
+// OCP e4m3 is converted (the same bits).
 #pragma once
 
 #if defined(__HIP__) || defined(__HIPCC_RTC__)
@@ -48,6 +49,9 @@ template <> __device__ inline unsigned float_to_bits<bfloat16>(float value) {
     return bits >> 16;
 }
 
+// ROCm 5.2 has no FP8 header: every format converts in software (fp8.cuh).
+#include "fp8.cuh"
+
 #else
 
 #include <cuda_fp16.h>
@@ -79,6 +83,14 @@ template <> __device__ inline unsigned float_to_bits<float16>(float value) { ret
 template <> __device__ inline float bits_to_float<bfloat16>(unsigned bits) { return __uint_as_float(bits << 16); }
 template <> __device__ inline unsigned float_to_bits<bfloat16>(float value) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(value));
+}
+
+// OCP e4m3 converts in one instruction from sm_89 (cuda_fp8.h emulates it on older GPUs);
+// e4m3fnuz, which no NVIDIA GPU has, in software (fp8.cuh): that path can run on NVIDIA too.
+#include <cuda_fp8.h>
+#include "fp8.cuh"
+template <> __device__ inline unsigned fp8_bits<float8_e4m3fn>(float value) {
+    return __nv_cvt_float_to_fp8(value, __NV_SATFINITE, __NV_E4M3);
 }
 
 #endif

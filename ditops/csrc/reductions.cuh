@@ -1,18 +1,26 @@
-// Sums over the GROUP consecutive threads that hold one row (or one head). Every thread of
-// the group gets the sum, added in a fixed order so results never depend on timing.
+// Sums and maxima over the GROUP consecutive threads that hold one row (or one head). Every
+// thread of the group gets the result, combined in a fixed order so results never depend on
+// timing.
 #pragma once
 #include "portability.cuh"
 
-// Groups no wider than a warp reduce with lane exchanges alone; wider groups also add their
-// warps' partial sums through shared memory, so every thread of the block must call this.
-template <int GROUP, int BLOCK>
-__device__ inline float group_sum(float value) {
+struct Sum {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Groups no wider than a warp reduce with lane exchanges alone; wider groups also combine their
+// warps' partial results through shared memory, so every thread of the block must call this.
+template <int GROUP, int BLOCK, typename Op>
+__device__ inline float group_reduce(float value, Op op) {
     static_assert(GROUP > kWarpSize ? GROUP % kWarpSize == 0 : (GROUP & (GROUP - 1)) == 0,
                   "a group is a power of two within a warp, or whole warps");
     static_assert(BLOCK % GROUP == 0, "a block holds whole groups: a partial one would read past `partial`");
     constexpr int lanes = GROUP < kWarpSize ? GROUP : kWarpSize;
 #pragma unroll
-    for (int mask = lanes / 2; mask > 0; mask /= 2) value += shuffle_xor(value, mask);
+    for (int mask = lanes / 2; mask > 0; mask /= 2) value = op(value, shuffle_xor(value, mask));
     if constexpr (GROUP > kWarpSize) {
         constexpr int warps_per_group = GROUP / kWarpSize;
         __shared__ float partial[BLOCK / kWarpSize];
@@ -20,13 +28,20 @@ __device__ inline float group_sum(float value) {
         if (threadIdx.x % kWarpSize == 0) partial[warp] = value;
         __syncthreads();
         const int first = warp - warp % warps_per_group;
-        value = 0.0f;
+        value = partial[first];
 #pragma unroll
-        for (int w = 0; w < warps_per_group; ++w) value += partial[first + w];
+        for (int w = 1; w < warps_per_group; ++w) value = op(value, partial[first + w]);
         __syncthreads();  // the next call writes partial again
     }
     return value;
 }
+
+template <int GROUP, int BLOCK>
+__device__ inline float group_sum(float value) { return group_reduce<GROUP, BLOCK>(value, Sum()); }
+
+// fmaxf drops NaN: callers map what must not be dropped to a number first.
+template <int GROUP, int BLOCK>
+__device__ inline float group_max(float value) { return group_reduce<GROUP, BLOCK>(value, Max()); }
 
 // Groups of any width up to a warp, starting at any lane (the rotary kernel's heads of Dh / 8
 // lanes): a fixed tree into the group's first lane, which every lane then reads, so all get

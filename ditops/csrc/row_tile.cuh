@@ -210,3 +210,52 @@ __device__ inline void normalized_chunk(const Row<T, ROW_THREADS, CHUNKS>& row, 
         values[e] = n;
     }
 }
+
+// A row's values on their way to FP8 format F (the *_fp8 ops): kept as float until the row's
+// amax is known, then stored as F's codes with one float32 scale per row, y ~= codes * scale.
+// backends/reference's _quantize_rows is the definition; this computes as the Triton kernels'
+// row_math.store_quantized does (one division per row, values times its inverse).
+template <typename F, int ROW_THREADS, int CHUNKS>
+struct QuantizedRow {
+    float values[CHUNKS][kChunk];
+
+    __device__ void set(int i, const float (&chunk)[kChunk]) {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) values[i][e] = chunk[e];
+    }
+
+    // Dynamic (static_scale == nullptr): the scale is max(amax, 1e-12) / F::kMax, NaN for a row
+    // holding NaN or Inf, so that all its values are NaN; static: *static_scale. Values beyond
+    // +-F::kMax saturate (fp8_bits). Every thread of the block must call this (group_max).
+    template <int BLOCK>
+    __device__ void store(F* y, float* y_scale, const float* static_scale, const RowPosition& at, long long hidden) const {
+        constexpr float kLargest = 3.40282347e38f;  // FLT_MAX: NaN and Inf are not at or below it
+        float scale;
+        if (static_scale) {
+            scale = *static_scale;
+        } else {
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < CHUNKS; ++i) {
+                if (!at.holds(i)) continue;
+#pragma unroll
+                for (int e = 0; e < kChunk; ++e) {
+                    const float magnitude = fabsf(values[i][e]);
+                    amax = fmaxf(amax, magnitude <= kLargest ? magnitude : __uint_as_float(0x7f800000u));  // NaN as Inf: fmaxf drops NaN
+                }
+            }
+            amax = group_max<ROW_THREADS, BLOCK>(amax);
+            scale = amax <= kLargest ? fmaxf(amax, 1e-12f) / F::kMax : __uint_as_float(0x7fc00000u);
+        }
+        const float inverse = 1.0f / scale;  // one division per row: an IEEE division per value costs more
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            if (!at.holds(i)) continue;
+            float scaled[kChunk];
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) scaled[e] = values[i][e] * inverse;
+            store_fp8_chunk(y + at.row * hidden + at.column<ROW_THREADS>(i), scaled);
+        }
+        if (at.valid && at.lane == 0) y_scale[at.row] = scale;
+    }
+};

@@ -1,0 +1,33 @@
+// quantize_fp8: y = act(x) as FP8 rows of format Y (fp8.cuh) and their scales y_scale, act the
+// identity or GELU's tanh approximation (static_scale nullptr: dynamic scales). x is read once,
+// the row held in registers until its amax is known, y and one scale per row written once.
+#include "row_tile.cuh"
+
+// 0.5 v (1 + tanh(z)) = v / (1 + exp(-2 z)), z = sqrt(2 / pi) (v + 0.044715 v^3), with the
+// fast exponential and division, as the Triton kernel computes it: IEEE math per value would
+// make the 12288-wide MLP rows compute-bound. v = -Inf gives NaN, as the definition does.
+__device__ inline float gelu_tanh(float v) {
+    return __fdividef(v, 1.0f + __expf(-1.5957691216057308f * (v + 0.044715f * v * v * v)));
+}
+
+template <typename T, typename Y, bool GELU, int ROW_THREADS, int CHUNKS, int BLOCK, int MIN_BLOCKS>
+__global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) row_quantize(Rows x, Y* __restrict__ y, float* __restrict__ y_scale,
+                                                              const float* __restrict__ static_scale, long long rows,
+                                                              long long tokens, long long hidden) {
+    const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);
+    Row<T, ROW_THREADS, CHUNKS> row;
+    row.load(x, at);
+    QuantizedRow<Y, ROW_THREADS, CHUNKS> quantized;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        if (!at.holds(i)) continue;
+        float v[kChunk];
+        row.get(i, v);
+        if constexpr (GELU) {
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) v[e] = gelu_tanh(v[e]);
+        }
+        quantized.set(i, v);
+    }
+    quantized.template store<BLOCK>(y, y_scale, static_scale, at, hidden);
+}
