@@ -47,19 +47,18 @@ def _torchao(model) -> None:
 
 
 def _weight_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers on the GPU (torchao's FP8 weights are tensor
-    subclasses: their data and scales are counted through their inner tensors)."""
-    total = 0
+    """Bytes of the storages behind the model's parameters and buffers on the GPU, each storage
+    once (ditops' joint q/k/v weight and its parts' views are one; torchao's FP8 weights are
+    tensor subclasses: their inner tensors are counted)."""
+    storages = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
         if not tensor.is_cuda:
             continue
-        inner = getattr(tensor, "__tensor_flatten__", None)
-        if inner is not None:
-            names, _ = tensor.__tensor_flatten__()
-            total += sum(getattr(tensor, name).numel() * getattr(tensor, name).element_size() for name in names)
-        else:
-            total += tensor.numel() * tensor.element_size()
-    return total
+        inner = [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]] if hasattr(
+            tensor, "__tensor_flatten__") else [tensor]
+        for part in inner:
+            storages[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _first_call_s(function, way: str, mode: str) -> float:

@@ -61,11 +61,36 @@ class Float8Linear(torch.nn.Module):
             raise ValueError(f"Float8Linear: linear is {in_features} -> {out_features}; wanted both multiples of 16 "
                              "(torch._scaled_mm)")
         weight, scale = quantize_weight(linear.weight, fp8_dtype)
+        self._hold(weight, scale, None if linear.bias is None else linear.bias.detach().clone(), linear.weight.dtype)
+
+    def _hold(self, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> None:
         self.register_buffer("weight", weight)
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.in_features, self.out_features = in_features, out_features
-        self.fp8_dtype, self.out_dtype = fp8_dtype, linear.weight.dtype
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = weight.shape
+        self.fp8_dtype, self.out_dtype = weight.dtype, out_dtype
+
+    @classmethod
+    def side_by_side(cls, parts: list) -> "Float8Linear":
+        """One Float8Linear whose output is the parts' outputs concatenated: Linears fed the
+        same rows (q, k and v) as one GEMM, fewer launches and a wider GEMM. Each part's
+        buffers become views of the joint ones, so the weights are held once."""
+        kinds = {(part.in_features, part.fp8_dtype, part.out_dtype, part.bias is None) for part in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"Float8Linear.side_by_side: parts of in_features, fp8_dtype, out_dtype, bias-less "
+                             f"{sorted(map(str, kinds))}; wanted one of each")
+        joint = cls.__new__(cls)
+        torch.nn.Module.__init__(joint)
+        biases = None if parts[0].bias is None else torch.cat([part.bias for part in parts])
+        joint._hold(torch.cat([part.weight for part in parts]), torch.cat([part.weight_scale for part in parts], dim=1),
+                    biases, parts[0].out_dtype)
+        sizes = [part.out_features for part in parts]
+        for position, part in enumerate(parts):
+            part.weight = joint.weight.split(sizes)[position]
+            part.weight_scale = joint.weight_scale.split(sizes, dim=1)[position]
+            if biases is not None:
+                part.bias = biases.split(sizes)[position]
+        return joint
 
     def forward(self, x) -> Tensor:
         if not isinstance(x, Float8Rows):

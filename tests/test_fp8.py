@@ -208,6 +208,40 @@ def test_flux_norms_feed_their_projections_fp8_rows(monkeypatch):
     assert "transformer_blocks.0.norm1.linear" not in fed  # its input is silu(temb), no op's output
 
 
+def test_flux_projections_fed_the_same_rows_are_one_gemm_and_remove_unjoins_them():
+    model, inputs, _ = tiny_flux(torch.bfloat16)
+    expected = run(model, inputs)
+    report = integration.apply(model, quantize="fp8")
+    joined = {path: kind for path, kind in report.replaced if kind.startswith("one FP8 GEMM")}
+    assert joined["transformer_blocks.0.attn.to_qkv"] == "one FP8 GEMM for to_q, to_k, to_v"
+    assert "transformer_blocks.1.attn.to_added_qkv" in joined and "single_transformer_blocks.0.attn.to_qkv" in joined
+    attention = model.transformer_blocks[0].attn
+    assert attention.fused_projections
+    joint = attention.to_qkv.weight
+    for position, name in enumerate(("to_q", "to_k", "to_v")):  # views of the joint weight: held once
+        part = getattr(attention, name).weight
+        assert part.untyped_storage().data_ptr() == joint.untyped_storage().data_ptr()
+        assert part.data_ptr() == joint[position * part.shape[0]:].data_ptr()
+    error = ((run(model, inputs) - expected).norm() / expected.norm()).item()
+    assert 0 < error < 0.15, error
+    integration.remove(model)
+    assert not attention.fused_projections and not hasattr(attention, "to_qkv")
+    assert torch.equal(run(model, inputs), expected)
+
+
+def test_a_flux_model_with_its_own_fused_projections_keeps_them_and_runs_fp8():
+    model, inputs, _ = tiny_flux(torch.bfloat16)
+    model.fuse_qkv_projections()
+    expected = run(model, inputs)
+    report = integration.apply(model, quantize="fp8")
+    assert not any(kind.startswith("one FP8 GEMM") for _, kind in report.replaced)
+    assert isinstance(model.transformer_blocks[0].attn.to_qkv, Float8Linear)
+    error = ((run(model, inputs) - expected).norm() / expected.norm()).item()
+    assert 0 < error < 0.15, error
+    integration.remove(model)
+    assert torch.equal(run(model, inputs), expected)
+
+
 def test_compiled_fp8_flux_has_no_graph_break_and_matches_eager():
     model, inputs, _ = tiny_flux(torch.bfloat16)
     integration.apply(model, quantize="fp8")

@@ -82,6 +82,32 @@ def replace_fed(patches: list, report: Report, linears: list, fp8_dtype, owner: 
     return True
 
 
+@dataclass
+class _JointPatch:
+    attention: torch.nn.Module
+    name: str
+    joint: torch.nn.Module
+
+    def restore(self) -> None:
+        if getattr(self.attention, self.name, None) is self.joint:
+            delattr(self.attention, self.name)
+            self.attention.fused_projections = False
+
+
+def join_projections(patches: list, report: Report, attention, path: str, names: tuple, joint_name: str) -> None:
+    """The projections ``names`` of ``attention``, which replace_fed made FP8 and which take the
+    same rows, -> one FP8 GEMM ``attention.<joint_name>`` in diffusers' fused-projection form
+    (``fused_projections``: its processors, ditops' and diffusers', split the joint output).
+    Left alone where the model's own projections are fused already."""
+    if not hasattr(attention, "fused_projections") or hasattr(attention, joint_name):
+        return
+    joint = Float8Linear.side_by_side([getattr(attention, name) for name in names])
+    setattr(attention, joint_name, joint)
+    attention.fused_projections = True
+    patches.append(_JointPatch(attention, joint_name, joint))
+    report.replaced.append((f"{path}.{joint_name}", f"one FP8 GEMM for {', '.join(names)}"))
+
+
 def replace_rest(model: torch.nn.Module, patches: list, report: Report, fp8_dtype) -> None:
     """Every Linear of ``model`` not replaced yet -> its Float8Linear, which quantises its own
     input per row (one ``quantize_fp8`` pass), but the embedders' (they run once per forward
