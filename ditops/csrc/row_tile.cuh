@@ -213,8 +213,10 @@ __device__ inline void normalized_chunk(const Row<T, ROW_THREADS, CHUNKS>& row, 
 
 // A row's values on their way to FP8 format F (the *_fp8 ops): kept as float until the row's
 // amax is known, then stored as F's codes with one float32 scale per row, y ~= codes * scale.
-// backends/reference's _quantize_rows is the definition; this computes as the Triton kernels'
-// row_math.store_quantized does (one division per row, values times its inverse).
+// backends/reference's _quantize_rows is the definition. As the Triton kernels'
+// row_math.store_quantized, one division per row and the values times its inverse; here both
+// divisions are IEEE (Triton's are div.full.f32, within 2 ulp), so the scale is the reference's
+// bit for bit, and a code may differ from Triton's where a value lies at a rounding boundary.
 template <typename F, int ROW_THREADS, int CHUNKS>
 struct QuantizedRow {
     float values[CHUNKS][kChunk];
@@ -241,7 +243,8 @@ struct QuantizedRow {
 #pragma unroll
                 for (int e = 0; e < kChunk; ++e) {
                     const float magnitude = fabsf(values[i][e]);
-                    amax = fmaxf(amax, magnitude <= kLargest ? magnitude : __uint_as_float(0x7f800000u));  // NaN as Inf: fmaxf drops NaN
+                    // NaN counts as Inf: fmaxf would drop it
+                    amax = fmaxf(amax, magnitude <= kLargest ? magnitude : __uint_as_float(0x7f800000u));
                 }
             }
             amax = group_max<ROW_THREADS, BLOCK>(amax);
