@@ -429,6 +429,8 @@ def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason
             expected, reason = "reference", f"needs a GPU with hardware float8_e4m3fn (fp8_formats), not {arch}"
         elif op == "quantize_fp8" and arch == "gfx942" and not ROCM_REFUSAL:  # no parameters to mix: rocm takes it
             expected = "rocm"
+        elif op == "quantize_fp8" and arch == "sm_90" and reason is None and not CUDA_REFUSAL:  # cuda first on NVIDIA
+            expected = "cuda"
     assert explanation.selected == expected
     refusal = {row.backend: row.refusal for row in explanation.candidates}["triton"]
     assert refusal is None if reason is None else refusal.startswith(reason)
@@ -459,6 +461,7 @@ def test_cuda_serves_nvidia_when_triton_is_disabled(op, tmp_path):
 
 
 ROCM_REFUSAL = dispatch.dispatcher().registry.backends["rocm"].refusal(dispatch.parse_arch("gfx942"))
+CUDA_REFUSAL = dispatch.dispatcher().registry.backends["cuda"].refusal(dispatch.parse_arch("sm_90"))
 
 
 @pytest.mark.skipif(bool(ROCM_REFUSAL), reason=f"rocm backend unavailable here: {ROCM_REFUSAL}")
