@@ -25,15 +25,18 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch: first calls compile from scratch
+if __name__ == "__main__":  # before torch: first calls compile from scratch (not where another script imports this)
+    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import torch
 
-import models
+sys.path.insert(0, str(Path(__file__).parent))  # models.py beside this file, also where this file is imported
+import models  # noqa: E402
 from ditops.integrations import diffusers as integration
 
 WAYS = ("bf16", "torchao", "ditops")
@@ -63,7 +66,7 @@ def _weight_bytes(model) -> int:
 
 def _first_call_s(function, way: str, mode: str) -> float:
     """The first call's seconds, Triton's kernel cache a new folder per way and mode (Inductor's
-    caches are off for the whole run: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, set by main)."""
+    caches are off for the whole run: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, set at the top)."""
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton-{way}-{mode}-")
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -107,7 +110,7 @@ def measure(name: str, resolution, modes: list, blocks: int, rounds: int, ways: 
         ms = {way: statistics.median(samples[way, mode]) if (way, mode) in samples else None for way in WAYS}
         error = {way: ((outputs[way, mode] - expected).norm() / expected.norm()).item() if (way, mode) in outputs
                  else None for way in WAYS}
-        ratio = lambda way: ms[way] / ms["ditops"] if ms[way] is not None else None  # noqa: E731
+        ratio = lambda way: ms[way] / ms["ditops"] if None not in (ms[way], ms["ditops"]) else None  # noqa: E731
         row = dict(model=name, resolution=str(resolution), mode=mode, blocks=blocks,
                    bf16_ms=ms["bf16"], torchao_ms=ms["torchao"], ditops_ms=ms["ditops"],
                    speedup_vs_bf16=ratio("bf16"), speedup_vs_torchao=ratio("torchao"),

@@ -27,6 +27,8 @@ DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
 BENCH = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-26.json", "H200": RESULTS / "NVIDIA-H200_2026-11-26.json"}
 MODELS = {"H100": RESULTS / "models_H100_2026-11-26.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
 MULTIGPU = RESULTS / "multigpu_H100x2_2026-11-25.json"
+BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-27.json"}  # the FP8 ops' `ditops bench --ops` run
+FP8 = RESULTS / "fp8_H100_2026-11-27.json"
 
 # The README's headline rows: per op, one real model shape (the `model` of a bench case).
 HEADLINE = (
@@ -65,11 +67,10 @@ def _bench_caption(path: Path) -> str:
             f"{document['date']}; copy {document['copy_gbps']:.0f} GB/s (`{_relative(path)}`)")
 
 
-def bench_full(gpu: str) -> str:
+def bench_full(path: Path) -> str:
     """Every case of one `ditops bench` file, as `ditops bench` prints it."""
     from ditops.bench.report import summary
 
-    path = BENCH[gpu]
     return f"**{_bench_caption(path)}**\n\n" + summary(json.loads(path.read_text())["rows"])
 
 
@@ -132,6 +133,13 @@ def models_headline() -> str:
     return "\n".join(lines)
 
 
+def fp8_full() -> str:
+    """The `benchmarks/fp8.py` file, as `fp8.py --table` prints it."""
+    document = json.loads(FP8.read_text())
+    return (f"**{document['device']}, torch {document['torch']}, torchao {document['torchao']}, {document['date']} "
+            f"(`{_relative(FP8)}`)**\n\n" + _benchmark_module("fp8").table(FP8))
+
+
 def multigpu_full() -> str:
     """The `benchmarks/multigpu.py` file, as `multigpu.py --table` prints it."""
     document = json.loads(MULTIGPU.read_text())
@@ -143,8 +151,10 @@ TABLES = {
     "bench-headline H100": lambda: bench_headline("H100"),
     "bench-headline H200": lambda: bench_headline("H200"),
     "models-headline": models_headline,
-    "bench H100": lambda: bench_full("H100"),
-    "bench H200": lambda: bench_full("H200"),
+    "bench H100": lambda: bench_full(BENCH["H100"]),
+    "bench H200": lambda: bench_full(BENCH["H200"]),
+    "bench-fp8 H100": lambda: bench_full(BENCH_FP8["H100"]),
+    "fp8": fp8_full,
     "models H100": lambda: models_full("H100"),
     "models H200": lambda: models_full("H200"),
     "multigpu": multigpu_full,
