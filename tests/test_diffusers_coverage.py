@@ -419,3 +419,93 @@ def test_bfloat16_patched_within_the_documented_bound(name):
     patched = run(model, inputs)
     torch.testing.assert_close(patched, expected, atol=1.6e-2 * 4, rtol=1.6e-2 * 4)
     assert (patched - expected).norm() / expected.norm() <= 4 * torch.finfo(torch.bfloat16).eps * 4
+
+
+# ----- the HunyuanVideo family: 1.0, Framepack, 1.5, HunyuanImage 2.1 --------------------------
+
+HUNYUAN_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_, norm_scale_shift (rms)"}
+HUNYUAN_SHAPE = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1)
+
+
+def hunyuan_text(generator, tokens=7):
+    """Text states and the pipeline's keep-mask: the second prompt is 4 tokens long."""
+    return (torch.randn(2, tokens, 32, generator=generator),
+            torch.tensor([[1] * tokens, [1] * 4 + [0] * (tokens - 4)], dtype=torch.long))
+
+
+def tiny_hunyuan_video(image_condition_type=None):
+    model = built(diffusers.HunyuanVideoTransformer3DModel, **HUNYUAN_SHAPE, in_channels=4, out_channels=4,
+                  num_single_layers=2, patch_size=2, text_embed_dim=32, pooled_projection_dim=16,
+                  rope_axes_dim=(4, 6, 6), image_condition_type=image_condition_type)
+    generator = torch.Generator().manual_seed(1)
+    text, mask = hunyuan_text(generator)
+    return model, dict(hidden_states=torch.randn(2, 4, 3, 8, 8, generator=generator), timestep=torch.tensor([10.0, 500.0]),
+                       encoder_hidden_states=text, encoder_attention_mask=mask,
+                       pooled_projections=torch.randn(2, 16, generator=generator),
+                       guidance=torch.tensor([3500.0, 3500.0]))
+
+
+def tiny_hunyuan_video_framepack():
+    """Framepack packs the clean and history latents (1x, 2x, 4x, with their own RoPE rows)
+    before the video tokens and puts the image tokens before the text."""
+    model = built(diffusers.HunyuanVideoFramepackTransformer3DModel, **HUNYUAN_SHAPE, in_channels=4, out_channels=4,
+                  num_single_layers=2, patch_size=2, text_embed_dim=32, pooled_projection_dim=16,
+                  rope_axes_dim=(4, 6, 6), has_image_proj=True, image_proj_dim=16, has_clean_x_embedder=True)
+    generator = torch.Generator().manual_seed(1)
+    text, mask = hunyuan_text(generator)
+    return model, dict(hidden_states=torch.randn(2, 4, 2, 8, 8, generator=generator), timestep=torch.tensor([10.0, 500.0]),
+                       encoder_hidden_states=text, encoder_attention_mask=mask,
+                       pooled_projections=torch.randn(2, 16, generator=generator),
+                       image_embeds=torch.randn(2, 3, 16, generator=generator), indices_latents=torch.arange(1, 3),
+                       guidance=torch.tensor([3500.0, 3500.0]),
+                       latents_clean=torch.randn(2, 4, 1, 8, 8, generator=generator),
+                       indices_latents_clean=torch.tensor([0]),
+                       latents_history_2x=torch.randn(2, 4, 2, 8, 8, generator=generator),
+                       indices_latents_history_2x=torch.arange(-2, 0),
+                       latents_history_4x=torch.randn(2, 4, 4, 8, 8, generator=generator),
+                       indices_latents_history_4x=torch.arange(-6, -2))
+
+
+def tiny_hunyuan_video15():
+    """Image-to-video: the image tokens, the ByT5 tokens and the text tokens, each with a mask."""
+    model = built(diffusers.HunyuanVideo15Transformer3DModel, **HUNYUAN_SHAPE, in_channels=4, out_channels=4,
+                  text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(4, 6, 6))
+    generator = torch.Generator().manual_seed(1)
+    text, mask = hunyuan_text(generator)
+    return model, dict(hidden_states=torch.randn(2, 4, 3, 4, 4, generator=generator), timestep=torch.tensor([10.0, 500.0]),
+                       encoder_hidden_states=text, encoder_attention_mask=mask,
+                       encoder_hidden_states_2=torch.randn(2, 3, 16, generator=generator),
+                       encoder_attention_mask_2=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                       image_embeds=torch.randn(2, 2, 16, generator=generator))
+
+
+def tiny_hunyuan_image():
+    model = built(diffusers.HunyuanImageTransformer2DModel, **HUNYUAN_SHAPE, in_channels=4, out_channels=4,
+                  num_single_layers=2, patch_size=(1, 1), text_embed_dim=32, text_embed_2_dim=16,
+                  rope_axes_dim=(8, 8))
+    generator = torch.Generator().manual_seed(1)
+    text, mask = hunyuan_text(generator)
+    return model, dict(hidden_states=torch.randn(2, 4, 4, 4, generator=generator), timestep=torch.tensor([10.0, 500.0]),
+                       encoder_hidden_states=text, encoder_attention_mask=mask,
+                       encoder_hidden_states_2=torch.randn(2, 3, 16, generator=generator),
+                       encoder_attention_mask_2=torch.tensor([[1, 1, 1], [1, 1, 0]]))
+
+
+# name: (build, sites replaced, blocks the signal goes through)
+HUNYUAN_LIKE = {
+    # per double block: norm1, norm1_context, the block (norm2s), attn; per single block: norm, attn
+    "hunyuan-video": (tiny_hunyuan_video, 2 * 4 + 2 * 2, 4),
+    "hunyuan-video-framepack": (tiny_hunyuan_video_framepack, 2 * 4 + 2 * 2, 4),
+    "hunyuan-video-1.5": (tiny_hunyuan_video15, 2 * 4, 2),
+    "hunyuan-image-2.1": (tiny_hunyuan_image, 2 * 4 + 2 * 2, 4),
+}
+
+
+@pytest.mark.parametrize("name", HUNYUAN_LIKE)
+def test_hunyuan_like_patched_matches_diffusers_and_remove_restores_it(name):
+    build, sites, blocks = HUNYUAN_LIKE[name]
+    model, inputs = build()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    report = assert_patched_matches(model, inputs, blocks, sites, HUNYUAN_OPS)
+    assert not report.skipped
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
