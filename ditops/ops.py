@@ -119,8 +119,11 @@ class Op:
         if self._fp8_at is None:
             return tuple(_new(x) for _ in range(self._count))
         fp8_dtype = fp8_format(x, rest[self._fp8_at - 1])
-        quantized = (_empty_like(x, dtype=fp8_dtype, memory_format=_contiguous),
-                     x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+        scales = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+        if x.shape[-1] == 0 and scales.numel():  # rows of no values: no kernel runs, the zero-row rule holds
+            static_scale = rest[self._fp8_at]
+            scales.fill_(static_scale.reshape(()) if static_scale is not None else 1e-12 / torch.finfo(fp8_dtype).max)
+        quantized = (_empty_like(x, dtype=fp8_dtype, memory_format=_contiguous), scales)
         return quantized + tuple(_new(x) for _ in range(self._count - 2))
 
     def plan(self, arguments: tuple, backend: Optional[str]) -> Plan:

@@ -40,6 +40,21 @@ def test_an_all_zero_row_has_the_floor_scale_and_zero_values():
     assert torch.equal(y.float()[1], torch.zeros(32))
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_rows_of_no_values_get_the_zero_row_scale(static):
+    """D = 0: no kernel runs, and each row's scale is still written: the all-zero row's floor,
+    or the static scale."""
+    static_scale = torch.tensor([0.25]) if static else None
+    x, modulation = torch.randn(2, 3, 0), torch.randn(2, 0)
+    expected = 0.25 if static else 1e-12 / 448
+    for _, y_scale, *_ in (ditops.quantize_fp8(x, fp8_dtype=E4M3, static_scale=static_scale),
+                           ditops.norm_scale_shift_fp8(x, modulation, modulation, fp8_dtype=E4M3, static_scale=static_scale),
+                           ditops.residual_norm_scale_shift_fp8(x, x, modulation, modulation, modulation, fp8_dtype=E4M3,
+                                                                static_scale=static_scale)):
+        assert y_scale.shape == (2, 3, 1)
+        assert torch.equal(y_scale, torch.full((2, 3, 1), expected, dtype=torch.float32))
+
+
 def test_dynamic_scales_map_each_rows_largest_value_to_the_formats_largest():
     x = torch.randn(4, 48) * torch.tensor([1e-3, 1.0, 30.0, 1e4])[:, None]
     for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
