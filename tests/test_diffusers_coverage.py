@@ -48,6 +48,15 @@ def recorded_calls(monkeypatch, names) -> list:
     return calls
 
 
+def patched_calls(monkeypatch, build, names) -> list:
+    """apply, then the ops among `names` that one forward of the built model calls, sorted."""
+    model, inputs = build()
+    integration.apply(model)
+    calls = recorded_calls(monkeypatch, names)
+    run(model, inputs)
+    return sorted(calls)
+
+
 def assert_patched_matches(model, inputs, blocks, sites: int, ops: set) -> integration.Report:
     """apply: `sites` places replaced by `ops`, output as diffusers' within `blocks` ops'
     tolerance; remove: diffusers' output bit for bit. Returns the report."""
@@ -135,13 +144,10 @@ def test_flux_like_patched_matches_diffusers_and_remove_restores_it(name):
 
 @pytest.mark.parametrize("name", FLUX_LIKE)
 def test_flux_like_runs_the_ops(monkeypatch, name):
-    model, inputs = FLUX_LIKE[name][0]()
-    integration.apply(model)
-    calls = recorded_calls(monkeypatch, sorted(FLUX_OPS))
-    run(model, inputs)
+    calls = patched_calls(monkeypatch, FLUX_LIKE[name][0], sorted(FLUX_OPS))
     # 2 double blocks: 2 AdaLN + 2 residual norms + 2 RoPE calls (text, image); 2 single blocks: 1 + 1 (FIBO: 1 + 0)
     single_rope = 0 if name == "bria-fibo" else 2
-    assert sorted(calls) == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4
+    assert calls == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4
                                    + ["qk_norm_rope_"] * (4 + single_rope))
 
 
@@ -241,14 +247,11 @@ def test_wan_like_patched_matches_diffusers_and_remove_restores_it(name):
 
 @pytest.mark.parametrize("name", WAN_LIKE)
 def test_wan_like_runs_the_ops(monkeypatch, name):
-    model, inputs = WAN_LIKE[name][0]()
-    integration.apply(model)
-    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "residual_norm_scale_shift", "rope_"))
-    run(model, inputs)
+    calls = patched_calls(monkeypatch, WAN_LIKE[name][0], ("norm_scale_shift", "residual_norm_scale_shift", "rope_"))
     # per Wan block: norm1, then q and k RMSNorm; norm2 and norm3 with their residuals; one RoPE;
     # the VACE control block: q and k RMSNorm, one RoPE
     vace = 1 if name == "wan-vace" else 0
-    assert sorted(calls) == sorted((["norm_scale_shift"] * 3 + ["residual_norm_scale_shift"] * 2 + ["rope_"]) * 2
+    assert calls == sorted((["norm_scale_shift"] * 3 + ["residual_norm_scale_shift"] * 2 + ["rope_"]) * 2
                                    + (["norm_scale_shift"] * 2 + ["rope_"]) * vace)
 
 
@@ -324,13 +327,10 @@ def test_sd35_patched_matches_diffusers_and_remove_restores_it():
 
 
 def test_sd35_runs_the_ops(monkeypatch):
-    model, inputs = tiny_sd3(sd35=True)
-    integration.apply(model)
-    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "residual_norm_scale_shift"))
-    run(model, inputs)
+    calls = patched_calls(monkeypatch, lambda: tiny_sd3(sd35=True), ("norm_scale_shift", "residual_norm_scale_shift"))
     # block 0: norm1 modulated twice (dual attention), norm1_context, q/k/added q/k, attn2's q/k; two residual norms
     # block 1: norm1, norm1_context (continuous), q/k/added q/k; one residual norm (its text stream ends)
-    assert sorted(calls) == sorted(["norm_scale_shift"] * (2 + 1 + 4 + 2 + 1 + 1 + 4) + ["residual_norm_scale_shift"] * 3)
+    assert calls == sorted(["norm_scale_shift"] * (2 + 1 + 4 + 2 + 1 + 1 + 4) + ["residual_norm_scale_shift"] * 3)
 
 
 def test_sd3_block_with_an_affine_norm2_is_left_alone_and_reported():
@@ -367,12 +367,9 @@ def test_flux2_patched_matches_diffusers_and_remove_restores_it():
 
 
 def test_flux2_runs_the_ops(monkeypatch):
-    model, inputs = tiny_flux2()
-    integration.apply(model)
-    calls = recorded_calls(monkeypatch, sorted(FLUX_OPS))
-    run(model, inputs)
+    calls = patched_calls(monkeypatch, tiny_flux2, sorted(FLUX_OPS))
     # double blocks: 2 modulated norms, 2 residual norms, 2 RoPE calls (text, image); single blocks: 1 + 1
-    assert sorted(calls) == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4 + ["qk_norm_rope_"] * 6)
+    assert calls == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4 + ["qk_norm_rope_"] * 6)
 
 
 def test_flux2_kv_cache_processors_are_left_alone_and_reported():
@@ -388,37 +385,6 @@ def test_flux2_kv_cache_processors_are_left_alone_and_reported():
         "transformer_blocks.0.attn: processor Flux2KVAttnProcessor or its q/k norms are not the ones checked",
         "single_transformer_blocks.1.attn: processor Flux2KVParallelSelfAttnProcessor or its q/k norms are not the "
         "ones checked"]
-
-
-# ----- bfloat16: every family above within the documented bound ----------------------------------
-
-BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
-            "sd3": tiny_sd3, "sd3.5": lambda: tiny_sd3(sd35=True), "flux2": tiny_flux2}
-
-
-def bfloat16(value, name=""):
-    """Activations and conditions in bfloat16; position ids and timesteps as the pipelines pass them."""
-    if isinstance(value, list):
-        return [bfloat16(item) for item in value]
-    if torch.is_tensor(value) and value.is_floating_point() and name not in ("img_ids", "txt_ids", "timestep"):
-        return value.to(torch.bfloat16)
-    return value
-
-
-@pytest.mark.parametrize("name", BUILDERS)
-def test_bfloat16_patched_within_the_documented_bound(name):
-    """docs/ops.md: atol = rtol = 1.6e-2 and a relative error of the whole tensor of at most
-    4 eps, per block the signal goes through (at most 4 here)."""
-    model, inputs = BUILDERS[name]()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
-        model = model.to(torch.bfloat16)
-    inputs = {key: bfloat16(value, key) for key, value in inputs.items()}
-    expected = run(model, inputs)
-    integration.apply(model)
-    patched = run(model, inputs)
-    torch.testing.assert_close(patched, expected, atol=1.6e-2 * 4, rtol=1.6e-2 * 4)
-    assert (patched - expected).norm() / expected.norm() <= 4 * torch.finfo(torch.bfloat16).eps * 4
 
 
 # ----- the HunyuanVideo family: 1.0, Framepack, 1.5, HunyuanImage 2.1 --------------------------
@@ -439,8 +405,8 @@ def tiny_hunyuan_video(image_condition_type=None):
                   rope_axes_dim=(4, 6, 6), image_condition_type=image_condition_type)
     generator = torch.Generator().manual_seed(1)
     text, mask = hunyuan_text(generator)
-    return model, dict(hidden_states=torch.randn(2, 4, 3, 8, 8, generator=generator), timestep=torch.tensor([10.0, 500.0]),
-                       encoder_hidden_states=text, encoder_attention_mask=mask,
+    return model, dict(hidden_states=torch.randn(2, 4, 3, 8, 8, generator=generator),
+                       timestep=torch.tensor([10.0, 500.0]), encoder_hidden_states=text, encoder_attention_mask=mask,
                        pooled_projections=torch.randn(2, 16, generator=generator),
                        guidance=torch.tensor([3500.0, 3500.0]))
 
@@ -453,8 +419,8 @@ def tiny_hunyuan_video_framepack():
                   rope_axes_dim=(4, 6, 6), has_image_proj=True, image_proj_dim=16, has_clean_x_embedder=True)
     generator = torch.Generator().manual_seed(1)
     text, mask = hunyuan_text(generator)
-    return model, dict(hidden_states=torch.randn(2, 4, 2, 8, 8, generator=generator), timestep=torch.tensor([10.0, 500.0]),
-                       encoder_hidden_states=text, encoder_attention_mask=mask,
+    return model, dict(hidden_states=torch.randn(2, 4, 2, 8, 8, generator=generator),
+                       timestep=torch.tensor([10.0, 500.0]), encoder_hidden_states=text, encoder_attention_mask=mask,
                        pooled_projections=torch.randn(2, 16, generator=generator),
                        image_embeds=torch.randn(2, 3, 16, generator=generator), indices_latents=torch.arange(1, 3),
                        guidance=torch.tensor([3500.0, 3500.0]),
@@ -472,8 +438,8 @@ def tiny_hunyuan_video15():
                   text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(4, 6, 6))
     generator = torch.Generator().manual_seed(1)
     text, mask = hunyuan_text(generator)
-    return model, dict(hidden_states=torch.randn(2, 4, 3, 4, 4, generator=generator), timestep=torch.tensor([10.0, 500.0]),
-                       encoder_hidden_states=text, encoder_attention_mask=mask,
+    return model, dict(hidden_states=torch.randn(2, 4, 3, 4, 4, generator=generator),
+                       timestep=torch.tensor([10.0, 500.0]), encoder_hidden_states=text, encoder_attention_mask=mask,
                        encoder_hidden_states_2=torch.randn(2, 3, 16, generator=generator),
                        encoder_attention_mask_2=torch.tensor([[1, 1, 1], [1, 1, 0]]),
                        image_embeds=torch.randn(2, 2, 16, generator=generator))
@@ -509,3 +475,98 @@ def test_hunyuan_like_patched_matches_diffusers_and_remove_restores_it(name):
     report = assert_patched_matches(model, inputs, blocks, sites, HUNYUAN_OPS)
     assert not report.skipped
     assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", HUNYUAN_LIKE)
+def test_hunyuan_like_runs_the_ops(monkeypatch, name):
+    calls = patched_calls(monkeypatch, HUNYUAN_LIKE[name][0],
+                          ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"))
+    # per double block: norm1, norm1_context, the text q and k RMSNorms; two residual norms; the video q/k
+    # per single block: norm, the text q and k RMSNorms; the video q/k
+    single = 0 if name == "hunyuan-video-1.5" else 2
+    assert calls == sorted((["norm_scale_shift"] * 4 + ["residual_norm_scale_shift"] * 2
+                                    + ["qk_norm_rope_"]) * 2 + (["norm_scale_shift"] * 3 + ["qk_norm_rope_"]) * single)
+
+
+def test_hunyuan_video_token_replace_blocks_are_left_alone_and_reported():
+    """HunyuanVideo's image-to-video blocks (image_condition_type="token_replace") look like the
+    others and modulate the first frame's tokens apart: their forwards and their token-replace
+    norms stay diffusers'; their plain norm1_context and their attention are patched."""
+    model, inputs = tiny_hunyuan_video("token_replace")
+    report = assert_patched_matches(model, inputs, 4, 2 * 2 + 2 * 1, HUNYUAN_OPS - {"residual_norm_scale_shift"})
+    norm = "HunyuanVideoTokenReplaceAdaLayerNormZero"
+    assert report.skipped == [
+        *[entry for i in range(2) for entry in (
+            f"transformer_blocks.{i}.norm1: {norm}, not AdaLayerNormZero over a LayerNorm without affine parameters; "
+            "left as it is",
+            f"transformer_blocks.{i}: HunyuanVideoTokenReplaceTransformerBlock has another forward than HunyuanVideo's "
+            "double block; its norm2s stay as diffusers wrote them")],
+        *[f"single_transformer_blocks.{i}.norm: {norm}Single, not AdaLayerNormZeroSingle over a LayerNorm without "
+          "affine parameters; left as it is" for i in range(2)]]
+
+
+@pytest.mark.parametrize("name", ["hunyuan-video", "hunyuan-video-1.5"])
+def test_hunyuan_like_blocks_trace_as_one_graph(name):
+    """torch.compile(fullgraph=True) of a patched double block (and of 1.0's single block): one
+    graph, with the ditops ops as its nodes."""
+    model, inputs = HUNYUAN_LIKE[name][0]()
+    integration.apply(model)
+    blocks = [model.transformer_blocks[0]] + list(getattr(model, "single_transformer_blocks", [])[:1])
+    captured = {}
+    handles = [block.register_forward_pre_hook(lambda module, args: captured.setdefault(module, args))
+               for block in blocks]
+    run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    for block in blocks:
+        with torch.no_grad():
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(block)(*captured[block])
+            expected = block(*captured[block])
+            compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(*captured[block])
+        assert explained.graph_break_count == 0 and len(explained.graphs) == 1
+        code = explained.graphs[0].code
+        ops = ("norm_scale_shift", "qk_norm_rope_") + (("residual_norm_scale_shift",) if block is blocks[0] else ())
+        for op in ops:
+            assert f"torch.ops.ditops.{op}" in code, f"{op} is not a node of the traced graph"
+        torch.testing.assert_close(compiled, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+# ----- bfloat16: every family above within the documented bound ----------------------------------
+
+BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
+            "sd3": tiny_sd3, "sd3.5": lambda: tiny_sd3(sd35=True), "flux2": tiny_flux2,
+            **{name: entry[0] for name, entry in HUNYUAN_LIKE.items()},
+            "hunyuan-video-1.5": lambda: bfloat16_timestep(*tiny_hunyuan_video15()),
+            "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image())}
+
+
+def bfloat16_timestep(model, inputs):
+    """HunyuanVideo 1.5's and HunyuanImage's pipelines pass the timestep in the latents' dtype
+    (their time embeddings run in the timestep's dtype)."""
+    return model, dict(inputs, timestep=inputs["timestep"].to(torch.bfloat16))
+
+
+def bfloat16(value, name=""):
+    """Activations and conditions in bfloat16; position ids and timesteps as the pipelines pass them."""
+    if isinstance(value, list):
+        return [bfloat16(item) for item in value]
+    if torch.is_tensor(value) and value.is_floating_point() and name not in ("img_ids", "txt_ids", "timestep"):
+        return value.to(torch.bfloat16)
+    return value
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_bfloat16_patched_within_the_documented_bound(name):
+    """docs/ops.md: atol = rtol = 1.6e-2 and a relative error of the whole tensor of at most
+    4 eps, per block the signal goes through (at most 4 here)."""
+    model, inputs = BUILDERS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
+        model = model.to(torch.bfloat16)
+    inputs = {key: bfloat16(value, key) for key, value in inputs.items()}
+    expected = run(model, inputs)
+    integration.apply(model)
+    patched = run(model, inputs)
+    torch.testing.assert_close(patched, expected, atol=1.6e-2 * 4, rtol=1.6e-2 * 4)
+    assert (patched - expected).norm() / expected.norm() <= 4 * torch.finfo(torch.bfloat16).eps * 4
