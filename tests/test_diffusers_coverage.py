@@ -512,24 +512,76 @@ def test_hunyuan_like_blocks_trace_as_one_graph(name):
     model, inputs = HUNYUAN_LIKE[name][0]()
     integration.apply(model)
     blocks = [model.transformer_blocks[0]] + list(getattr(model, "single_transformer_blocks", [])[:1])
+    captured = block_arguments(model, inputs, blocks)
+    for block in blocks:
+        ops = ("norm_scale_shift", "qk_norm_rope_") + (("residual_norm_scale_shift",) if block is blocks[0] else ())
+        assert_traces_as_one_graph(block, captured[block], ops)
+
+
+def block_arguments(model, inputs, blocks) -> dict:
+    """The positional arguments each of `blocks` gets in one forward of the model."""
     captured = {}
     handles = [block.register_forward_pre_hook(lambda module, args: captured.setdefault(module, args))
                for block in blocks]
     run(model, inputs)
     for handle in handles:
         handle.remove()
-    for block in blocks:
-        with torch.no_grad():
-            torch._dynamo.reset()
-            explained = torch._dynamo.explain(block)(*captured[block])
-            expected = block(*captured[block])
-            compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(*captured[block])
-        assert explained.graph_break_count == 0 and len(explained.graphs) == 1
-        code = explained.graphs[0].code
-        ops = ("norm_scale_shift", "qk_norm_rope_") + (("residual_norm_scale_shift",) if block is blocks[0] else ())
-        for op in ops:
-            assert f"torch.ops.ditops.{op}" in code, f"{op} is not a node of the traced graph"
-        torch.testing.assert_close(compiled, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    return captured
+
+
+def assert_traces_as_one_graph(block, arguments, ops) -> None:
+    """torch.compile(fullgraph=True) of `block`: one graph with the ditops `ops` as nodes, and
+    the eager output within one op's tolerance."""
+    with torch.no_grad():
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(block)(*arguments)
+        expected = block(*arguments)
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(*arguments)
+    assert explained.graph_break_count == 0 and len(explained.graphs) == 1
+    for op in ops:
+        assert f"torch.ops.ditops.{op}" in explained.graphs[0].code, f"{op} is not a node of the traced graph"
+    torch.testing.assert_close(compiled, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+# ----- Lumina2 ----------------------------------------------------------------------------------
+
+LUMINA2_OPS = {"norm_scale_shift", "add_gate_norm_scale", "add_gate_norm", "qk_norm_rope_"}
+
+
+def tiny_lumina2():
+    """Grouped-query attention (4 query heads, 2 k/v heads); the second prompt is 4 tokens long,
+    so the joint blocks get the key mask."""
+    model = built(diffusers.Lumina2Transformer2DModel, sample_size=8, patch_size=2, in_channels=4, hidden_size=64,
+                  num_layers=2, num_refiner_layers=1, num_attention_heads=4, num_kv_heads=2, multiple_of=16,
+                  axes_dim_rope=(4, 6, 6), axes_lens=(32, 16, 16), cap_feat_dim=32)
+    generator = torch.Generator().manual_seed(1)
+    text, mask = hunyuan_text(generator)
+    return model, dict(hidden_states=torch.randn(2, 4, 8, 8, generator=generator), timestep=torch.tensor([0.1, 0.7]),
+                       encoder_hidden_states=text, encoder_attention_mask=mask)
+
+
+def test_lumina2_patched_matches_diffusers_and_remove_restores_it():
+    """Per modulated block (noise refiner, layers): norm1, norm2 + ffn_norm1, ffn_norm2, attn;
+    the context refiner's attention; its plain norms are left alone and reported."""
+    model, inputs = tiny_lumina2()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    report = assert_patched_matches(model, inputs, 4, 3 * 4 + 1, LUMINA2_OPS)
+    assert report.skipped == ["context_refiner.0: no modulation (plain RMSNorms, no scale or gate to fuse); its norms "
+                              "stay as diffusers wrote them"]
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+
+
+def test_lumina2_runs_the_ops(monkeypatch):
+    calls = patched_calls(monkeypatch, tiny_lumina2, sorted(LUMINA2_OPS))
+    assert calls == sorted(["norm_scale_shift", "add_gate_norm_scale", "add_gate_norm", "qk_norm_rope_"] * 3
+                           + ["qk_norm_rope_"])
+
+
+def test_lumina2_block_traces_as_one_graph():
+    model, inputs = tiny_lumina2()
+    integration.apply(model)
+    block = model.layers[0]
+    assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], LUMINA2_OPS)
 
 
 # ----- bfloat16: every family above within the documented bound ----------------------------------
@@ -538,7 +590,7 @@ BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: en
             "sd3": tiny_sd3, "sd3.5": lambda: tiny_sd3(sd35=True), "flux2": tiny_flux2,
             **{name: entry[0] for name, entry in HUNYUAN_LIKE.items()},
             "hunyuan-video-1.5": lambda: bfloat16_timestep(*tiny_hunyuan_video15()),
-            "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image())}
+            "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image()), "lumina2": tiny_lumina2}
 
 
 def bfloat16_timestep(model, inputs):
