@@ -28,8 +28,12 @@ _NORMS = ("norm1", "norm2", "ffn_norm1", "ffn_norm2")
 def _block_forward(self, hidden_states, attention_mask, image_rotary_emb, temb=None):
     """diffusers' modulated Lumina2TransformerBlock: norm1's RMSNorm and its scale as
     norm_scale_shift, "x + tanh(gate) * norm2(attention), then ffn_norm1 and its scale" as
-    add_gate_norm_scale, and the FFN's gated add as add_gate_norm."""
-    if not self.modulation or temb is None or patching.hooked(self, _NORMS) or patching.hooked(self.norm1, ("norm",)):
+    add_gate_norm_scale, and the FFN's gated add as add_gate_norm. With norm weights of another
+    dtype than the activations (diffusers' RMSNorm then returns float32), a hooked norm or no
+    modulation, diffusers' forward runs."""
+    if (not self.modulation or temb is None or patching.hooked(self, _NORMS) or patching.hooked(self.norm1, ("norm",))
+            or any(norm.weight.dtype != hidden_states.dtype
+                   for norm in (self.norm1.norm, self.norm2, self.ffn_norm1, self.ffn_norm2))):
         return type(self).forward(self, hidden_states, attention_mask, image_rotary_emb, temb)
     norm1 = self.norm1
     scale_msa, gate_msa, scale_mlp, gate_mlp = norm1.linear(norm1.silu(temb)).chunk(4, dim=1)
@@ -92,7 +96,8 @@ def _attention_supported(attn) -> bool:
     from diffusers.models.normalization import RMSNorm
     from diffusers.models.transformers.transformer_lumina2 import Lumina2AttnProcessor2_0
 
-    return type(attn.processor) is Lumina2AttnProcessor2_0 and all(type(norm) is RMSNorm and norm.weight is not None for norm in (attn.norm_q, attn.norm_k))
+    return type(attn.processor) is Lumina2AttnProcessor2_0 and attn.norm_q.eps == attn.norm_k.eps and all(
+        type(norm) is RMSNorm and norm.weight is not None for norm in (attn.norm_q, attn.norm_k))
 
 
 def patch(model, patches: list, report) -> None:
