@@ -584,13 +584,69 @@ def test_lumina2_block_traces_as_one_graph():
     assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], LUMINA2_OPS)
 
 
+# ----- Cosmos ------------------------------------------------------------------------------------
+
+COSMOS_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"}
+
+
+def tiny_cosmos(image_context=False):
+    """Cosmos 1.0: one timestep per item, a text mask. With image_context (2.5's blocks): the
+    image-context cross-attention and per-frame timesteps ([B, S, D] modulation)."""
+    model = built(diffusers.CosmosTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=2,
+                  attention_head_dim=12, num_layers=2, text_embed_dim=32, adaln_lora_dim=16, max_size=(8, 16, 16),
+                  concat_padding_mask=False, img_context_dim_in=16 if image_context else None,
+                  img_context_num_tokens=3, img_context_dim_out=24)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "pos_emb" in name:  # diffusers initialises the learnable positions to 0
+                parameter.uniform_(0.5, 1.5)
+    generator = torch.Generator().manual_seed(1)
+    text, mask = hunyuan_text(generator)
+    inputs = dict(hidden_states=torch.randn(2, 4, 3, 8, 8, generator=generator))
+    if image_context:
+        return model, dict(inputs, timestep=torch.rand(2, 1, 3, 1, 1, generator=generator),
+                           encoder_hidden_states=(text, torch.randn(2, 3, 16, generator=generator)))
+    return model, dict(inputs, timestep=torch.tensor([0.1, 0.7]), encoder_hidden_states=text,
+                       attention_mask=mask.bool())
+
+
+COSMOS_LIKE = {"cosmos": tiny_cosmos, "cosmos-2.5": lambda: tiny_cosmos(image_context=True)}
+
+
+@pytest.mark.parametrize("name", COSMOS_LIKE)
+def test_cosmos_patched_matches_diffusers_and_remove_restores_it(name):
+    """Per block: norm1, norm2, norm3, attn1; the cross-attention is left alone and reported."""
+    model, inputs = COSMOS_LIKE[name]()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    report = assert_patched_matches(model, inputs, 2, 2 * 4, COSMOS_OPS)
+    assert report.skipped == [f"transformer_blocks.{i}.attn2: cross-attention, q/k RMSNorm without RoPE; left as it is"
+                              for i in range(2)]
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", COSMOS_LIKE)
+def test_cosmos_runs_the_ops(monkeypatch, name):
+    calls = patched_calls(monkeypatch, COSMOS_LIKE[name], sorted(COSMOS_OPS))
+    assert calls == sorted(["norm_scale_shift", "residual_norm_scale_shift", "residual_norm_scale_shift",
+                            "qk_norm_rope_"] * 2)
+
+
+@pytest.mark.parametrize("name", COSMOS_LIKE)
+def test_cosmos_block_traces_as_one_graph(name):
+    model, inputs = COSMOS_LIKE[name]()
+    integration.apply(model)
+    block = model.transformer_blocks[0]
+    assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], COSMOS_OPS)
+
+
 # ----- bfloat16: every family above within the documented bound ----------------------------------
 
 BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
             "sd3": tiny_sd3, "sd3.5": lambda: tiny_sd3(sd35=True), "flux2": tiny_flux2,
             **{name: entry[0] for name, entry in HUNYUAN_LIKE.items()},
             "hunyuan-video-1.5": lambda: bfloat16_timestep(*tiny_hunyuan_video15()),
-            "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image()), "lumina2": tiny_lumina2}
+            "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image()), "lumina2": tiny_lumina2,
+            **COSMOS_LIKE}
 
 
 def bfloat16_timestep(model, inputs):
@@ -601,8 +657,8 @@ def bfloat16_timestep(model, inputs):
 
 def bfloat16(value, name=""):
     """Activations and conditions in bfloat16; position ids and timesteps as the pipelines pass them."""
-    if isinstance(value, list):
-        return [bfloat16(item) for item in value]
+    if isinstance(value, (list, tuple)):  # tuple: Cosmos 2.5's (text, image context)
+        return type(value)(bfloat16(item) for item in value)
     if torch.is_tensor(value) and value.is_floating_point() and name not in ("img_ids", "txt_ids", "timestep"):
         return value.to(torch.bfloat16)
     return value

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ...fp8 import check_device
-from . import chroma, flux, flux2, flux_clones, hunyuan_video, lumina2, qwen_image, sd3, wan, z_image
+from . import chroma, cosmos, flux, flux2, flux_clones, hunyuan_video, lumina2, qwen_image, sd3, wan, z_image
 from . import quantize as quantize_module  # apply's argument is named quantize
 from .report import Report
 
@@ -25,7 +25,8 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
              "Flux2Transformer2DModel": flux2.patch, "HunyuanVideoTransformer3DModel": hunyuan_video.patch,
              "HunyuanVideoFramepackTransformer3DModel": hunyuan_video.patch,
              "HunyuanVideo15Transformer3DModel": hunyuan_video.patch,
-             "HunyuanImageTransformer2DModel": hunyuan_video.patch, "Lumina2Transformer2DModel": lumina2.patch}
+             "HunyuanImageTransformer2DModel": hunyuan_video.patch, "Lumina2Transformer2DModel": lumina2.patch,
+             "CosmosTransformer3DModel": cosmos.patch}
 
 
 _FUSED_FP8 = {flux.patch, qwen_image.patch, wan.patch}  # families whose norms give FP8 rows to their projections (the others' Linears quantise their input)
