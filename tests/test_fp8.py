@@ -244,6 +244,19 @@ def test_flux_projections_fed_the_same_rows_are_one_gemm_and_remove_unjoins_them
     assert torch.equal(run(model, inputs), expected)
 
 
+def test_projections_one_gemm_cannot_serve_stay_separate_and_are_reported():
+    model, inputs, _ = tiny_flux(torch.bfloat16)
+    model.transformer_blocks[0].attn.to_k.bias = None  # a bias on q and v only
+    expected = run(model, inputs)
+    report = integration.apply(model, quantize="fp8")
+    assert any(line.startswith("transformer_blocks.0.attn: its projections stay separate GEMMs") for line in report.skipped)
+    first, second = model.transformer_blocks[0].attn, model.transformer_blocks[1].attn
+    assert not first.fused_projections and not hasattr(first, "to_qkv") and not hasattr(first, "to_added_qkv")
+    assert second.fused_projections and hasattr(second, "to_qkv") and hasattr(second, "to_added_qkv")
+    error = ((run(model, inputs) - expected).norm() / expected.norm()).item()
+    assert 0 < error < 0.15, error
+
+
 def test_a_flux_model_with_its_own_fused_projections_keeps_them_and_runs_fp8():
     model, inputs, _ = tiny_flux(torch.bfloat16)
     model.fuse_qkv_projections()

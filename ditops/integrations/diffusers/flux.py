@@ -243,8 +243,7 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
         linears += quantize.feed_forward_linears(getattr(block, name), f"{path}.{name}")
     if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
         return False
-    quantize.join_projections(patches, report, block.attn, f"{path}.attn", _QKV, "to_qkv")
-    quantize.join_projections(patches, report, block.attn, f"{path}.attn", _ADDED_QKV, "to_added_qkv")
+    quantize.join_projections(patches, report, block.attn, f"{path}.attn", {"to_qkv": _QKV, "to_added_qkv": _ADDED_QKV})
     for name in _FEED_FORWARDS:
         quantize.wire_feed_forward(patches, report, getattr(block, name), f"{path}.{name}")
     return True
@@ -264,7 +263,7 @@ def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
     if not quantize.replace_fed(patches, report, linears + [(block, "proj_out", f"{path}.proj_out", widths)],
                                 fp8_dtype, path):
         return False
-    quantize.join_projections(patches, report, block.attn, f"{path}.attn", _QKV, "to_qkv")
+    quantize.join_projections(patches, report, block.attn, f"{path}.attn", {"to_qkv": _QKV})
     if patching.replace_forward(patches, report, block, path, _single_block_forward_fp8):
         report.replaced.append((f"{path}.act_mlp, {path}.proj_out", "quantize_fp8 (attention; GELU)"))
     return True

@@ -94,18 +94,25 @@ class _JointPatch:
             self.attention.fused_projections = False
 
 
-def join_projections(patches: list, report: Report, attention, path: str, names: tuple, joint_name: str) -> None:
-    """The projections ``names`` of ``attention``, which replace_fed made FP8 and which take the
-    same rows, -> one FP8 GEMM ``attention.<joint_name>`` in diffusers' fused-projection form
-    (``fused_projections``: its processors, ditops' and diffusers', split the joint output).
-    Left alone where the model's own projections are fused already."""
-    if not hasattr(attention, "fused_projections") or hasattr(attention, joint_name):
+def join_projections(patches: list, report: Report, attention, path: str, joints: dict) -> None:
+    """Each group of projections of ``attention`` (``joints``: {joint name: names}), which
+    replace_fed made FP8 and which take the same rows, -> one FP8 GEMM ``attention.<joint
+    name>``, in diffusers' fused-projection form (``fused_projections``, which its processors,
+    ditops' and diffusers', read for every group at once: all groups are joined or none). Left
+    alone where the model's own projections are fused already."""
+    if not hasattr(attention, "fused_projections") or any(hasattr(attention, name) for name in joints):
         return
-    joint = Float8Linear.side_by_side([getattr(attention, name) for name in names])
-    setattr(attention, joint_name, joint)
+    try:
+        built = {joint_name: Float8Linear.side_by_side([getattr(attention, name) for name in names])
+                 for joint_name, names in joints.items()}
+    except ValueError as error:  # parts that one GEMM cannot serve (a bias on some only): each runs alone
+        report.skipped.append(f"{path}: its projections stay separate GEMMs ({error})")
+        return
+    for joint_name, joint in built.items():
+        setattr(attention, joint_name, joint)
+        patches.append(_JointPatch(attention, joint_name, joint))
+        report.replaced.append((f"{path}.{joint_name}", f"one FP8 GEMM for {', '.join(joints[joint_name])}"))
     attention.fused_projections = True
-    patches.append(_JointPatch(attention, joint_name, joint))
-    report.replaced.append((f"{path}.{joint_name}", f"one FP8 GEMM for {', '.join(names)}"))
 
 
 def replace_rest(model: torch.nn.Module, patches: list, report: Report, fp8_dtype) -> None:
