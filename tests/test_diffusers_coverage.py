@@ -639,6 +639,55 @@ def test_cosmos_block_traces_as_one_graph(name):
     assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], COSMOS_OPS)
 
 
+# ----- Kandinsky 5 -------------------------------------------------------------------------------
+
+KANDINSKY5_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"}
+
+
+def tiny_kandinsky5():
+    """Two text blocks, two visual blocks; the modulations (zero in diffusers' init) random."""
+    model = built(diffusers.Kandinsky5Transformer3DModel, in_visual_dim=4, in_text_dim=32, in_text_dim2=16,
+                  time_dim=32, out_visual_dim=4, patch_size=(1, 2, 2), model_dim=48, ff_dim=64, num_text_blocks=2,
+                  num_visual_blocks=2, axes_dims=(8, 8, 8))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "modulation" in name:
+                parameter.normal_(0, 0.2)
+    generator = torch.Generator().manual_seed(1)
+    return model, dict(hidden_states=torch.randn(2, 3, 8, 8, 4, generator=generator),
+                       encoder_hidden_states=torch.randn(2, 7, 32, generator=generator),
+                       timestep=torch.tensor([0.1, 0.7]), pooled_projections=torch.randn(2, 16, generator=generator),
+                       visual_rope_pos=(torch.arange(3), torch.arange(4), torch.arange(4)),
+                       text_rope_pos=torch.arange(7))
+
+
+def test_kandinsky5_patched_matches_diffusers_and_remove_restores_it():
+    """Per text block: 2 norms and the self-attention; per visual block: 3 norms and the
+    self-attention; the cross-attentions and the out_layer are left alone and reported."""
+    model, inputs = tiny_kandinsky5()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    report = assert_patched_matches(model, inputs, 4, 2 * 3 + 2 * 4, KANDINSKY5_OPS)
+    assert report.skipped == [f"visual_transformer_blocks.{i}.cross_attention: q/k RMSNorm without RoPE; left as it "
+                              "is" for i in range(2)] + [
+        "out_layer: its modulated norm over the unflattened video; left as it is"]
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+
+
+def test_kandinsky5_runs_the_ops(monkeypatch):
+    calls = patched_calls(monkeypatch, tiny_kandinsky5, sorted(KANDINSKY5_OPS))
+    assert calls == sorted(["norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"] * 2
+                           + ["norm_scale_shift", "residual_norm_scale_shift", "residual_norm_scale_shift",
+                              "qk_norm_rope_"] * 2)
+
+
+@pytest.mark.parametrize("blocks", ["text_transformer_blocks", "visual_transformer_blocks"])
+def test_kandinsky5_block_traces_as_one_graph(blocks):
+    model, inputs = tiny_kandinsky5()
+    integration.apply(model)
+    block = getattr(model, blocks)[0]
+    assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], KANDINSKY5_OPS)
+
+
 # ----- bfloat16: every family above within the documented bound ----------------------------------
 
 BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
@@ -646,7 +695,8 @@ BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: en
             **{name: entry[0] for name, entry in HUNYUAN_LIKE.items()},
             "hunyuan-video-1.5": lambda: bfloat16_timestep(*tiny_hunyuan_video15()),
             "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image()), "lumina2": tiny_lumina2,
-            **COSMOS_LIKE}
+            **COSMOS_LIKE, "kandinsky5": tiny_kandinsky5}
+KEEP_IN_FLOAT32 = {"kandinsky5"}  # its time embedding cannot run in bfloat16
 
 
 def bfloat16_timestep(model, inputs):
@@ -672,6 +722,10 @@ def test_bfloat16_patched_within_the_documented_bound(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
         model = model.to(torch.bfloat16)
+    if name in KEEP_IN_FLOAT32:  # as from_pretrained(torch_dtype=torch.bfloat16) keeps them
+        for path, module in model.named_modules():
+            if set(path.split(".")) & set(model._keep_in_fp32_modules):
+                module.float()
     inputs = {key: bfloat16(value, key) for key, value in inputs.items()}
     expected = run(model, inputs)
     integration.apply(model)
