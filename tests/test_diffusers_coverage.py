@@ -8,6 +8,7 @@ tensor <= 1e-5), the report counts the sites replaced, the ops run where the rep
 alone and named in the report.
 """
 
+import inspect
 import warnings
 
 import pytest
@@ -688,6 +689,56 @@ def test_kandinsky5_block_traces_as_one_graph(blocks):
     assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], KANDINSKY5_OPS)
 
 
+# ----- HiDream-I1 -------------------------------------------------------------------------------
+
+HIDREAM_OPS = {"norm_scale_shift", "residual_norm_scale_shift"}
+
+
+def tiny_hidream(experts=2):
+    """Two double-stream and two single-stream blocks (mixture-of-experts FFNs unless experts=0),
+    a square image."""
+    model = built(diffusers.HiDreamImageTransformer2DModel, patch_size=2, in_channels=4, num_layers=2,
+                  num_single_layers=2, attention_head_dim=16, num_attention_heads=2, caption_channels=[16, 24],
+                  text_emb_dim=20, num_routed_experts=experts, num_activated_experts=1, axes_dims_rope=(4, 6, 6),
+                  max_resolution=(16, 16), llama_layers=[0, 1, 2, 3])
+    generator = torch.Generator().manual_seed(1)
+    return model, dict(hidden_states=torch.randn(2, 4, 8, 8, generator=generator), timesteps=torch.tensor([100, 700]),
+                       encoder_hidden_states_t5=torch.randn(2, 5, 16, generator=generator),
+                       encoder_hidden_states_llama3=torch.randn(4, 2, 3, 24, generator=generator),
+                       pooled_embeds=torch.randn(2, 20, generator=generator))
+
+
+def test_hidream_patched_matches_diffusers_and_remove_restores_it():
+    """Per double-stream block: 4 norms; per single-stream block: 2; the attentions and the
+    final layer are left alone and reported."""
+    model, inputs = tiny_hidream()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    report = assert_patched_matches(model, inputs, 4, 2 * 4 + 2 * 2, HIDREAM_OPS)
+    assert report.skipped == [f"{blocks}.{i}.block.attn1: q/k RMSNorm over all heads together, not per head; left "
+                              "as it is" for blocks in ("double_stream_blocks", "single_stream_blocks")
+                              for i in range(2)] + ["final_layer: its modulated norm; left as it is"]
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+
+
+def test_hidream_runs_the_ops(monkeypatch):
+    calls = patched_calls(monkeypatch, tiny_hidream, sorted(HIDREAM_OPS))
+    assert calls == sorted(["norm_scale_shift", "residual_norm_scale_shift"] * (2 * 2 + 2))
+
+
+@pytest.mark.parametrize("blocks", ["double_stream_blocks", "single_stream_blocks"])
+def test_hidream_block_traces_as_one_graph(blocks):
+    """Dense FFNs: diffusers' mixture-of-experts inference loops over data-dependent counts."""
+    model, inputs = tiny_hidream(experts=0)
+    integration.apply(model)
+    block = getattr(model, blocks)[0]
+    captured = {}
+    handle = block.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
+    run(model, inputs)  # the model calls its blocks with keywords
+    handle.remove()
+    arguments = tuple(captured[name] for name in inspect.signature(block.forward).parameters)
+    assert_traces_as_one_graph(block, arguments, HIDREAM_OPS)
+
+
 # ----- bfloat16: every family above within the documented bound ----------------------------------
 
 BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
@@ -695,7 +746,7 @@ BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: en
             **{name: entry[0] for name, entry in HUNYUAN_LIKE.items()},
             "hunyuan-video-1.5": lambda: bfloat16_timestep(*tiny_hunyuan_video15()),
             "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image()), "lumina2": tiny_lumina2,
-            **COSMOS_LIKE, "kandinsky5": tiny_kandinsky5}
+            **COSMOS_LIKE, "kandinsky5": tiny_kandinsky5, "hidream": tiny_hidream}
 KEEP_IN_FLOAT32 = {"kandinsky5"}  # its time embedding cannot run in bfloat16
 
 
