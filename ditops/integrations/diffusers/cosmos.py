@@ -77,8 +77,7 @@ class CosmosQKNormRopeProcessor(patching.DitopsProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if (image_rotary_emb is None or encoder_hidden_states is not None or attention_mask is not None
-                or patching.hooked(attn, self.bypassed)
-                or any(getattr(attn, name).weight.dtype != hidden_states.dtype for name in self.bypassed)):
+                or not patching.norms_taken(attn, self.bypassed, hidden_states.dtype)):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 

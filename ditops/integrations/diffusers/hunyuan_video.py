@@ -99,8 +99,7 @@ class HunyuanVideoQKNormRopeProcessor(patching.DitopsProcessor):
         single = attn.add_q_proj is None  # a single block: one projection of the video rows, then the text rows
         bypassed = self.bypassed[:2] if single else self.bypassed
         if (image_rotary_emb is None or encoder_hidden_states is None or self._unsupported_mask(attention_mask)
-                or patching.hooked(attn, bypassed)
-                or any(getattr(attn, name).weight.dtype != hidden_states.dtype for name in bypassed)):
+                or not patching.norms_taken(attn, bypassed, hidden_states.dtype)):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         cache = patching.cos_sin_cache(*image_rotary_emb)
         text = encoder_hidden_states.shape[1]

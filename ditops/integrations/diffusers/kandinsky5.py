@@ -82,8 +82,7 @@ class Kandinsky5QKNormRopeProcessor(patching.DitopsProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None):
         if (rotary_emb is None or encoder_hidden_states is not None or sparse_params is not None
-                or patching.hooked(attn, self.bypassed)
-                or any(getattr(attn, name).weight.dtype != hidden_states.dtype for name in self.bypassed)):
+                or not patching.norms_taken(attn, self.bypassed, hidden_states.dtype)):
             return self.defer(attn, hidden_states, encoder_hidden_states, rotary_emb, sparse_params)
         query, key, value = (projection(hidden_states).unflatten(-1, (attn.num_heads, -1))
                              for projection in (attn.to_query, attn.to_key, attn.to_value))

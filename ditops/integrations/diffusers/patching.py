@@ -142,6 +142,13 @@ def hooked(owner, names: tuple) -> bool:
     return False
 
 
+def norms_taken(owner, names: tuple, dtype: torch.dtype) -> bool:
+    """Whether an op may compute the norms ``names`` of ``owner`` on activations of ``dtype``:
+    none has a hook (``hooked`` warns) and each weight has that dtype (where it differs,
+    diffusers' RMSNorm computes and returns float32, which the op would not)."""
+    return not hooked(owner, names) and all(getattr(owner, name).weight.dtype == dtype for name in names)
+
+
 # ----- attention processors: diffusers' contract --------------------------------------------
 
 

@@ -104,8 +104,7 @@ class SD3QKNormProcessor(patching.DitopsProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
         bypassed = self.bypassed if encoder_hidden_states is not None else self.bypassed[:2]
-        if (attention_mask is not None or args or kwargs or patching.hooked(attn, bypassed)
-                or any(getattr(attn, name).weight.dtype != hidden_states.dtype for name in bypassed)):
+        if (attention_mask is not None or args or kwargs or not patching.norms_taken(attn, bypassed, hidden_states.dtype)):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         heads, image_tokens = attn.heads, hidden_states.shape[1]
         query = _rms_per_head(attn.to_q(hidden_states), attn.norm_q, heads)
