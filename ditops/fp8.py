@@ -85,11 +85,10 @@ class Float8Linear(torch.nn.Module):
         joint._hold(torch.cat([part.weight for part in parts]), torch.cat([part.weight_scale for part in parts], dim=1),
                     biases, parts[0].out_dtype)
         sizes = [part.out_features for part in parts]
-        for position, part in enumerate(parts):
-            part.weight = joint.weight.split(sizes)[position]
-            part.weight_scale = joint.weight_scale.split(sizes, dim=1)[position]
-            if biases is not None:
-                part.bias = biases.split(sizes)[position]
+        views = zip(joint.weight.split(sizes), joint.weight_scale.split(sizes, dim=1),
+                    biases.split(sizes) if biases is not None else [None] * len(parts))
+        for part, (weight, weight_scale, bias) in zip(parts, views):
+            part.weight, part.weight_scale, part.bias = weight, weight_scale, bias
         return joint
 
     def forward(self, x) -> Tensor:

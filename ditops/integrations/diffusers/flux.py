@@ -235,17 +235,11 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
     if type(block.attn.processor) is not FluxQKNormRopeProcessor:
         report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
         return False
-    if not all(quantize.gelu_tanh_feed_forward(getattr(block, name)) for name in _FEED_FORWARDS):
-        report.skipped.append(f"{path}: its norms give bf16 (a FeedForward other than GELU-tanh)")
-        return False
-    linears = quantize.fed(block.attn, _QKV + _ADDED_QKV, f"{path}.attn")
-    for name in _FEED_FORWARDS:
-        linears += quantize.feed_forward_linears(getattr(block, name), f"{path}.{name}")
-    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
+    projections = quantize.fed(block.attn, _QKV + _ADDED_QKV, f"{path}.attn")
+    feed_forwards = {f"{path}.{name}": getattr(block, name) for name in _FEED_FORWARDS}
+    if not quantize.replace_fed_with_feed_forwards(patches, report, projections, feed_forwards, fp8_dtype, path):
         return False
     quantize.join_projections(patches, report, block.attn, f"{path}.attn", {"to_qkv": _QKV, "to_added_qkv": _ADDED_QKV})
-    for name in _FEED_FORWARDS:
-        quantize.wire_feed_forward(patches, report, getattr(block, name), f"{path}.{name}")
     return True
 
 

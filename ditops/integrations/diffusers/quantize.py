@@ -146,7 +146,7 @@ def replace_rest(model: torch.nn.Module, patches: list, report: Report, fp8_dtyp
 # quantisation of its wide hidden state as one quantize_fp8 between its two FP8 GEMMs.
 
 
-def gelu_tanh_feed_forward(ff) -> bool:
+def _gelu_tanh_feed_forward(ff) -> bool:
     """Whether ``ff`` is diffusers' FeedForward with a GELU(tanh) up projection, dropout, a Linear down."""
     from diffusers.models.activations import GELU
 
@@ -155,7 +155,7 @@ def gelu_tanh_feed_forward(ff) -> bool:
             and type(net[1]) is torch.nn.Dropout and type(net[2]) is torch.nn.Linear)
 
 
-def feed_forward_linears(ff, path: str) -> list:
+def _feed_forward_linears(ff, path: str) -> list:
     """A GELU-tanh FeedForward's up and down projections, as replace_fed takes them."""
     return [(ff.net[0], "proj", f"{path}.net.0.proj", ()), (ff.net, "2", f"{path}.net.2", ())]
 
@@ -170,7 +170,22 @@ def _feed_forward_fp8(self, hidden_states, *args, **kwargs):
     return self.net[2](Float8Rows(*ops.quantize_fp8(hidden, activation="gelu_tanh")))
 
 
-def wire_feed_forward(patches: list, report: Report, ff, path: str) -> None:
-    """A GELU-tanh FeedForward whose projections replace_fed made FP8: its forward with the fused GELU."""
-    if patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
-        report.replaced.append((path, "quantize_fp8 (GELU)"))
+def replace_fed_with_feed_forwards(patches: list, report: Report, linears: list, feed_forwards: dict, fp8_dtype,
+                                   owner: str) -> bool:
+    """replace_fed for ``linears`` and the projections of the FeedForwards ``feed_forwards``
+    ({path: module}) that ``owner``'s norms feed, each of them diffusers' GELU-tanh FeedForward,
+    then wired with its GELU and quantisation fused; False where one is another kind (the
+    report says which) or replace_fed refuses."""
+    others = [path for path, ff in feed_forwards.items() if not _gelu_tanh_feed_forward(ff)]
+    if others:
+        report.skipped.append(
+            f"{owner}: its norms give bf16 ({', '.join(others)}: not diffusers' GELU-tanh FeedForward)")
+        return False
+    for path, ff in feed_forwards.items():
+        linears = linears + _feed_forward_linears(ff, path)
+    if not replace_fed(patches, report, linears, fp8_dtype, owner):
+        return False
+    for path, ff in feed_forwards.items():
+        if patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
+            report.replaced.append((path, "quantize_fp8 (GELU)"))
+    return True

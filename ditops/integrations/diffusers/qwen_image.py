@@ -191,14 +191,6 @@ def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     if type(block.attn.processor) is not QwenQKNormRopeProcessor:
         report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
         return False
-    if not all(quantize.gelu_tanh_feed_forward(getattr(block, name)) for name in _MLPS):
-        report.skipped.append(f"{path}: its norms give bf16 (an MLP other than diffusers' GELU-tanh FeedForward)")
-        return False
-    linears = quantize.fed(block.attn, _PROJECTIONS, f"{path}.attn")
-    for name in _MLPS:
-        linears += quantize.feed_forward_linears(getattr(block, name), f"{path}.{name}")
-    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
-        return False
-    for name in _MLPS:
-        quantize.wire_feed_forward(patches, report, getattr(block, name), f"{path}.{name}")
-    return True
+    projections = quantize.fed(block.attn, _PROJECTIONS, f"{path}.attn")
+    feed_forwards = {f"{path}.{name}": getattr(block, name) for name in _MLPS}
+    return quantize.replace_fed_with_feed_forwards(patches, report, projections, feed_forwards, fp8_dtype, path)

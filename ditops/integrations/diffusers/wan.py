@@ -215,13 +215,8 @@ def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linears norm1 and norm3 feed -> FP8 (self-attention's q/k/v where its processor is
     ditops', the FFN with its GELU + quantisation fused); True where those norms may give FP8
     rows (norm1 only to the ditops processor: ``_modulated_block`` checks it at every call)."""
-    if not quantize.gelu_tanh_feed_forward(block.ffn):
-        report.skipped.append(f"{path}: its norms give bf16 (an FFN other than diffusers' GELU-tanh FeedForward)")
-        return False
-    linears = quantize.feed_forward_linears(block.ffn, f"{path}.ffn")
+    linears = []
     if type(block.attn1.processor) is WanNormRopeProcessor:
-        linears += quantize.fed(block.attn1, ("to_q", "to_k", "to_v"), f"{path}.attn1")
-    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
-        return False
-    quantize.wire_feed_forward(patches, report, block.ffn, f"{path}.ffn")
-    return True
+        linears = quantize.fed(block.attn1, ("to_q", "to_k", "to_v"), f"{path}.attn1")
+    feed_forwards = {f"{path}.ffn": block.ffn}
+    return quantize.replace_fed_with_feed_forwards(patches, report, linears, feed_forwards, fp8_dtype, path)
