@@ -176,11 +176,13 @@ class Op:
         if self.in_place and arguments[0].is_cuda:
             # The functional node's new q and k, copied back: where q and k are intermediates
             # of the graph (every patched processor), functionalization removes the copies.
+            # They are returned too: a caller that reads them rather than q and k (slices of a
+            # joint projection) spares the graph rebuilding the projection around them.
             q, k = arguments[:2]
             q.copy_(result[0])
             if k is not None:
                 k.copy_(result[1])
-            return ()
+            return result[0], (result[1] if k is not None else None)
         return (result,) if isinstance(result, Tensor) else tuple(result or ())
 
     def traced_reference(self, arguments: tuple) -> tuple:
@@ -295,8 +297,8 @@ def public_function(op: Op) -> Callable:
     if len(positional) + len(keyword) != len(names):
         raise ValueError(f"{op.name}: its signature takes *args or **kwargs; wanted named arguments only")
     call = f"_op(({', '.join(names)},), backend)"
-    if op.in_place:  # the op writes its arguments and returns them
-        body = f"    {call}\n    return {', '.join(op.spec.mutates)}\n"
+    if op.in_place:  # the op writes its arguments and returns them (under torch.compile: Op.__call__'s)
+        body = f"    written = {call}\n    return written or ({', '.join(op.spec.mutates)})\n"
     else:
         body = f"    return {call}{'[0]' if len(op.spec.outputs) == 1 else ''}\n"
     source = f"def {op.name}({', '.join(positional)}, *, {', '.join(keyword + ['backend'])}):\n{body}"

@@ -161,7 +161,7 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
         cache = patching.cos_sin_cache(*image_rotary_emb)
         eps = attn.norm_q.eps
         if attn.added_kv_proj_dim is None:
-            ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache, eps=eps)
+            query, key = ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache, eps=eps)
         else:
             # Each stream in place on its own projection, then the concatenation: the same work in
             # eager, and under torch.compile the in-place op writes the projections' buffers
@@ -169,9 +169,10 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
             context_query, context_key, context_value = (t.unflatten(-1, (-1, attn.head_dim))
                                                           for t in (context_query, context_key, context_value))
             text = context_query.shape[1]
-            ops.qk_norm_rope_(context_query, context_key, attn.norm_added_q.weight, attn.norm_added_k.weight,
-                              cache, eps=eps)
-            ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache, eps=eps, position_offset=text)
+            context_query, context_key = ops.qk_norm_rope_(context_query, context_key, attn.norm_added_q.weight,
+                                                           attn.norm_added_k.weight, cache, eps=eps)
+            query, key = ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache, eps=eps,
+                                           position_offset=text)
             query, key, value = (torch.cat(pair, dim=1) for pair in ((context_query, query), (context_key, key),
                                                                      (context_value, value)))
         out = self.attention(query, key, value, attention_mask).flatten(2, 3).to(query.dtype)
