@@ -739,6 +739,126 @@ def test_hidream_block_traces_as_one_graph(blocks):
     assert_traces_as_one_graph(block, arguments, HIDREAM_OPS)
 
 
+# ----- LTX-Video and LTX-2 ---------------------------------------------------------------------
+
+LTX_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "rope_"}
+LTX2_OPS = LTX_OPS | {"residual_norm_scale_shift, norm_scale_shift"}  # the norm whose output two attentions take
+
+
+def tiny_ltx():
+    """LTX-Video: a 2 x 4 x 4 video, an all-ones text mask (the text cross-attention takes it)."""
+    model = built(diffusers.LTXVideoTransformer3DModel, in_channels=8, out_channels=8, num_attention_heads=2,
+                  attention_head_dim=16, cross_attention_dim=32, num_layers=2, caption_channels=24)
+    generator = torch.Generator().manual_seed(1)
+    return model, dict(hidden_states=torch.randn(2, 32, 8, generator=generator),
+                       encoder_hidden_states=torch.randn(2, 6, 24, generator=generator),
+                       timestep=torch.tensor([100, 700]), encoder_attention_mask=torch.ones(2, 6), num_frames=2,
+                       height=4, width=4)
+
+
+def tiny_ltx2(rope_type="interleaved", ltx23=False):
+    """LTX-2: a 2 x 4 x 4 video and 5 audio frames, head widths 16 (video) and 8 (audio). With
+    ltx23, LTX-2.3's options: the text query and key/value modulation, per-head output gates,
+    the STG processor, and per-token video timesteps ([B, S, D] modulation)."""
+    model = built(diffusers.LTX2VideoTransformer3DModel, in_channels=8, out_channels=8, num_attention_heads=2,
+                  attention_head_dim=16, cross_attention_dim=32, audio_in_channels=4, audio_out_channels=4,
+                  audio_num_attention_heads=2, audio_attention_head_dim=8, audio_cross_attention_dim=16, num_layers=2,
+                  caption_channels=24, rope_type=rope_type, cross_attn_mod=ltx23, audio_cross_attn_mod=ltx23,
+                  gated_attn=ltx23, audio_gated_attn=ltx23, perturbed_attn=ltx23)
+    generator = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, 32, 8, generator=generator),
+                  audio_hidden_states=torch.randn(2, 5, 4, generator=generator),
+                  encoder_hidden_states=torch.randn(2, 6, 24, generator=generator),
+                  audio_encoder_hidden_states=torch.randn(2, 6, 24, generator=generator),
+                  timestep=torch.tensor([100.0, 700.0]), num_frames=2, height=4, width=4, audio_num_frames=5)
+    if ltx23:
+        inputs.update(timestep=torch.rand(2, 32, generator=generator) * 1000, audio_timestep=torch.tensor([300.0, 500.0]),
+                      sigma=torch.tensor([0.1, 0.7]))
+    return model, inputs
+
+
+LTX_LIKE = {"ltx-video": (tiny_ltx, 3, LTX_OPS), "ltx-2": (tiny_ltx2, 12, LTX2_OPS),
+            "ltx-2-split-rope": (lambda: tiny_ltx2("split"), 12, LTX2_OPS),
+            "ltx-2.3": (lambda: tiny_ltx2("split", ltx23=True), 12, LTX2_OPS)}
+
+
+def audio_sample(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).audio_sample.float()
+
+
+@pytest.mark.parametrize("name", LTX_LIKE)
+def test_ltx_like_patched_matches_diffusers_and_remove_restores_it(name):
+    """Per LTX-Video block: norm1, norm2, attn1; per LTX-2 block: 8 norms and the self- and
+    audio-video attentions. The text cross-attentions, the q/k norms and the output norms are
+    left alone and reported; LTX-2's audio output matches too."""
+    build, sites, ops = LTX_LIKE[name]
+    model, inputs = build()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    audio = audio_sample(model, inputs) if name != "ltx-video" else None
+    report = assert_patched_matches(model, inputs, 2, 2 * sites, ops)
+    texts = ("attn2",) if name == "ltx-video" else ("attn2", "audio_attn2")
+    assert report.skipped == [f"transformer_blocks.{i}.{text}: text cross-attention, q/k RMSNorm without RoPE; left as "
+                              "it is" for i in range(2) for text in texts] + [
+        "the attentions' q/k RMSNorm over all heads together (not per head as qk_norm_rope_ computes): diffusers' "
+        "norm_q / norm_k",
+        f"{'norm_out' if name == 'ltx-video' else 'norm_out, audio_norm_out'}: the output LayerNorm and its "
+        "modulation; left as it is"]
+    if audio is not None:
+        integration.apply(model)
+        patched = audio_sample(model, inputs)
+        assert (patched - audio).norm() / audio.norm() <= TOLERANCE
+        integration.remove(model)
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", LTX_LIKE)
+def test_ltx_like_runs_the_ops(monkeypatch, name):
+    """Per LTX-2 block: 4 norm_scale_shift (norm1s, the second modulation of the two audio-video
+    norms), 6 residual_norm_scale_shift, rope_ once per self-attention and twice (q, k: tables
+    of their own) per audio-video attention."""
+    calls = patched_calls(monkeypatch, LTX_LIKE[name][0], sorted(LTX_OPS))
+    per_block = (["norm_scale_shift", "residual_norm_scale_shift", "rope_"] if name == "ltx-video" else
+                 ["norm_scale_shift"] * 4 + ["residual_norm_scale_shift"] * 6 + ["rope_"] * 6)
+    assert calls == sorted(per_block * 2)
+
+
+def test_ltx2_isolated_modalities_stg_and_a_self_attention_mask_match_diffusers(monkeypatch):
+    """isolate_modalities (no audio-video attention: the text attention's residual goes into
+    norm3), STG on block 0 (its self-attentions go to diffusers' processor) and a video
+    self-attention mask (diffusers' processor too): as diffusers computes them."""
+    model, inputs = tiny_ltx2("split", ltx23=True)
+    inputs.update(isolate_modalities=True, spatio_temporal_guidance_blocks=[0],
+                  video_self_attention_mask=torch.rand(2, 32, 32, generator=torch.Generator().manual_seed(2)))
+    expected, expected_audio = run(model, inputs), audio_sample(model, inputs)
+    integration.apply(model)
+    calls = recorded_calls(monkeypatch, sorted(LTX_OPS))
+    patched, audio = run(model, inputs), audio_sample(model, inputs)
+    assert (patched - expected).norm() / expected.norm() <= TOLERANCE
+    assert (audio - expected_audio).norm() / expected_audio.norm() <= TOLERANCE
+    # per forward: block 1's audio self-attention; per block: norm1s, norm2s and norm3s
+    assert sorted(calls) == sorted((["rope_"] + ["norm_scale_shift"] * 2 * 2 + ["residual_norm_scale_shift"] * 4 * 2) * 2)
+
+
+def keyword_block_arguments(model, inputs, block) -> tuple:
+    """The arguments `block` gets in one forward of the model (which calls it with keywords), in
+    the order of its forward's parameters."""
+    captured = {}
+    handle = block.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
+    run(model, inputs)
+    handle.remove()
+    return tuple(captured[name] for name in inspect.signature(block.forward).parameters)
+
+
+@pytest.mark.parametrize("name", LTX_LIKE)
+def test_ltx_like_block_traces_as_one_graph(name):
+    build, _, ops = LTX_LIKE[name]
+    model, inputs = build()
+    integration.apply(model)
+    block = model.transformer_blocks[0]
+    assert_traces_as_one_graph(block, keyword_block_arguments(model, inputs, block), LTX_OPS)
+
+
 # ----- bfloat16: every family above within the documented bound ----------------------------------
 
 BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
@@ -746,7 +866,8 @@ BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: en
             **{name: entry[0] for name, entry in HUNYUAN_LIKE.items()},
             "hunyuan-video-1.5": lambda: bfloat16_timestep(*tiny_hunyuan_video15()),
             "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image()), "lumina2": tiny_lumina2,
-            **COSMOS_LIKE, "kandinsky5": tiny_kandinsky5, "hidream": tiny_hidream}
+            **COSMOS_LIKE, "kandinsky5": tiny_kandinsky5, "hidream": tiny_hidream,
+            **{name: entry[0] for name, entry in LTX_LIKE.items()}}
 KEEP_IN_FLOAT32 = {"kandinsky5"}  # its time embedding cannot run in bfloat16
 
 

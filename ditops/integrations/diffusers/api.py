@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 from ...fp8 import check_device
-from . import (chroma, cosmos, flux, flux2, flux_clones, hidream, hunyuan_video, kandinsky5, lumina2, qwen_image, sd3,
-               wan, z_image)
+from . import (chroma, cosmos, flux, flux2, flux_clones, hidream, hunyuan_video, kandinsky5, lumina2, ltx2, qwen_image,
+               sd3, wan, z_image)
 from . import quantize as quantize_module  # apply's argument is named quantize
 from .report import Report
 
@@ -28,7 +28,8 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
              "HunyuanVideo15Transformer3DModel": hunyuan_video.patch,
              "HunyuanImageTransformer2DModel": hunyuan_video.patch, "Lumina2Transformer2DModel": lumina2.patch,
              "CosmosTransformer3DModel": cosmos.patch, "Kandinsky5Transformer3DModel": kandinsky5.patch,
-             "HiDreamImageTransformer2DModel": hidream.patch}
+             "HiDreamImageTransformer2DModel": hidream.patch, "LTX2VideoTransformer3DModel": ltx2.patch,
+             "LTXVideoTransformer3DModel": ltx2.patch}
 
 
 _FUSED_FP8 = {flux.patch, qwen_image.patch, wan.patch}  # families whose norms give FP8 rows to their projections (the others' Linears quantise their input)

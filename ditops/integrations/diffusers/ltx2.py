@@ -1,0 +1,338 @@
+"""LTX-2 (``LTX2VideoTransformer3DModel``: a video and an audio stream) and LTX-Video
+(``LTXVideoTransformer3DModel``) under ditops.
+
+Every block norm is diffusers' ``RMSNorm`` without weight (``norm_elementwise_affine=False``,
+the models' default); the modulation is one [B, 1, D] vector per item or one [B, S, D] per
+token (per-token timesteps), both forms the ops take.
+
+- LTX-2 (``LTX2VideoTransformerBlock``), on each stream: ``norm1`` / ``audio_norm1`` with its
+  modulation -> ``norm_scale_shift`` (norm="rms"); "x + gate * self-attention, then ``norm2``"
+  (modulated for the text query where ``cross_attn_mod``, else plain) -> ``residual_norm_scale_shift``;
+  "x + (gate *) text cross-attention, then ``audio_to_video_norm`` / ``video_to_audio_norm``",
+  whose output diffusers modulates twice (for the audio-to-video and the video-to-audio
+  attention) -> ``residual_norm_scale_shift`` with the first modulation, ``norm_scale_shift`` on
+  the stored sum with the second; "x + gate * audio-video attention, then ``norm3`` and the FFN's
+  modulation" -> ``residual_norm_scale_shift``. With both audio-video attentions off
+  (``isolate_modalities``), the text attention's residual goes into ``norm3`` instead.
+- LTX-Video (``LTXVideoTransformerBlock``): ``norm1`` -> ``norm_scale_shift``; "x + text
+  cross-attention, then ``norm2``" -> ``residual_norm_scale_shift``. The self-attention's gated
+  residual feeds the cross-attention unnormalised and stays as diffusers wrote it.
+- The attentions called with rotary tables (self-attentions; LTX-2's audio-video attentions,
+  whose query and key have tables of their own): the RoPE -> ``rope_``. The tables span all
+  heads (each head has its own frequencies) and each batch item: with the heads folded into
+  the token axis, q and k are rows [B * S * H, 1, Dh] and the cache has one row per (item,
+  token, head). Interleaved tables pair neighbouring dims; LTX-2's ``rope_type="split"`` tables
+  ([B, H, S, Dh / 2]) rotate the two halves of each head (NeoX). Under context parallelism the
+  plan splits the ``rope`` outputs with the hidden states, so the rows are this shard's
+  (LTX-Video; diffusers 0.42.1's own context parallelism fails on LTX-2, with or without ditops).
+  The q/k RMSNorm (over all heads together, not per head as ``qk_norm_rope_`` computes) stays
+  diffusers' ``norm_q`` / ``norm_k``. Calls with a mask, with STG perturbation, or with tables
+  of another shape go to diffusers' processor.
+
+Left as diffusers wrote them: the text cross-attentions (q/k RMSNorm without RoPE), the FFNs'
+gated adds (no norm follows them in the block), the prompt modulation of the text, the output
+``norm_out`` / ``audio_norm_out`` and their modulation, blocks of another class or whose norms
+are not the ones checked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import ops
+from . import patching
+
+_LTX2_NORMS = ("norm1", "audio_norm1", "norm2", "audio_norm2", "audio_to_video_norm", "video_to_audio_norm", "norm3",
+               "audio_norm3")
+_LTX_NORMS = ("norm1", "norm2")
+
+
+def _norm(norm, x, pending, scale, shift):
+    """(norm(x') * (1 + scale) + shift, x'), with x' = x + gate * branch for the ``pending``
+    (branch, gate) residual (gate None: 1), or x where none is pending."""
+    if pending is None:
+        return ops.norm_scale_shift(x, scale, shift, norm="rms", eps=norm.eps), x
+    branch, gate = pending
+    return ops.residual_norm_scale_shift(branch, x, gate, scale, shift, norm="rms", eps=norm.eps)
+
+
+def _prompt_modulation(table, temb_prompt, batch_size, like):
+    """LTX-2.3's (shift, scale) of the text keys and values: from the prompt timestep, or the
+    layer's table alone where the model has none (diffusers' code)."""
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
+
+    if temb_prompt is not None:
+        return LTX2VideoTransformerBlock.get_mod_params(table, temb_prompt, batch_size)
+    return table[None, None].to(device=like.device, dtype=like.dtype).unbind(dim=2)
+
+
+def _ltx2_block_forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
+                        temb, temb_audio, temb_ca_scale_shift, temb_ca_audio_scale_shift, temb_ca_gate,
+                        temb_ca_audio_gate, temb_prompt=None, temb_prompt_audio=None, video_rotary_emb=None,
+                        audio_rotary_emb=None, ca_video_rotary_emb=None, ca_audio_rotary_emb=None,
+                        encoder_attention_mask=None, audio_encoder_attention_mask=None, self_attention_mask=None,
+                        audio_self_attention_mask=None, a2v_cross_attention_mask=None, v2a_cross_attention_mask=None,
+                        use_a2v_cross_attention=True, use_v2a_cross_attention=True, perturbation_mask=None,
+                        all_perturbed=None):
+    """diffusers' LTX2VideoTransformerBlock with every norm and its modulation fused (``_norm``):
+    a stream's gated residual stays pending until the next norm takes it. With a hooked norm,
+    diffusers' forward runs."""
+    if patching.hooked(self, _LTX2_NORMS):
+        return type(self).forward(self, hidden_states, audio_hidden_states, encoder_hidden_states,
+                                  audio_encoder_hidden_states, temb, temb_audio, temb_ca_scale_shift,
+                                  temb_ca_audio_scale_shift, temb_ca_gate, temb_ca_audio_gate, temb_prompt,
+                                  temb_prompt_audio, video_rotary_emb, audio_rotary_emb, ca_video_rotary_emb,
+                                  ca_audio_rotary_emb, encoder_attention_mask, audio_encoder_attention_mask,
+                                  self_attention_mask, audio_self_attention_mask, a2v_cross_attention_mask,
+                                  v2a_cross_attention_mask, use_a2v_cross_attention, use_v2a_cross_attention,
+                                  perturbation_mask, all_perturbed)
+    batch_size = hidden_states.size(0)
+    video = self.get_mod_params(self.scale_shift_table, temb, batch_size)
+    audio = self.get_mod_params(self.audio_scale_shift_table, temb_audio, batch_size)
+    perturbation = dict(perturbation_mask=perturbation_mask, all_perturbed=all_perturbed) if self.perturbed_attn else {}
+
+    # 1. Self-attentions
+    x, _ = _norm(self.norm1, hidden_states, None, video[1], video[0])
+    video_pending = (self.attn1(hidden_states=x, encoder_hidden_states=None, query_rotary_emb=video_rotary_emb,
+                                attention_mask=self_attention_mask, **perturbation), video[2])
+    x, _ = _norm(self.audio_norm1, audio_hidden_states, None, audio[1], audio[0])
+    audio_pending = (self.audio_attn1(hidden_states=x, encoder_hidden_states=None, query_rotary_emb=audio_rotary_emb,
+                                      attention_mask=audio_self_attention_mask, **perturbation), audio[2])
+
+    # 2. Text cross-attentions; norm2 is modulated (shift, scale, gate: parameters 6-8) only with cross_attn_adaln
+    no_modulation = video[0].new_zeros(())
+    if self.cross_attn_adaln:
+        shift_text_kv, scale_text_kv = _prompt_modulation(self.prompt_scale_shift_table, temb_prompt, batch_size,
+                                                          hidden_states)
+        encoder_hidden_states = encoder_hidden_states * (1 + scale_text_kv) + shift_text_kv
+        audio_shift_text_kv, audio_scale_text_kv = _prompt_modulation(
+            self.audio_prompt_scale_shift_table, temb_prompt_audio, batch_size, audio_hidden_states)
+        audio_encoder_hidden_states = audio_encoder_hidden_states * (1 + audio_scale_text_kv) + audio_shift_text_kv
+    shift, scale, gate = video[6:9] if self.video_cross_attn_adaln else (no_modulation, no_modulation, None)
+    x, hidden_states = _norm(self.norm2, hidden_states, video_pending, scale, shift)
+    video_pending = (self.attn2(x, encoder_hidden_states=encoder_hidden_states, query_rotary_emb=None,
+                                attention_mask=encoder_attention_mask), gate)
+    shift, scale, gate = audio[6:9] if self.audio_cross_attn_adaln else (no_modulation, no_modulation, None)
+    x, audio_hidden_states = _norm(self.audio_norm2, audio_hidden_states, audio_pending, scale, shift)
+    audio_pending = (self.audio_attn2(x, encoder_hidden_states=audio_encoder_hidden_states, query_rotary_emb=None,
+                                      attention_mask=audio_encoder_attention_mask), gate)
+
+    # 3. Audio-to-video and video-to-audio attentions: each stream's norm output modulated twice
+    if use_a2v_cross_attention or use_v2a_cross_attention:
+        video_a2v_scale, video_a2v_shift, video_v2a_scale, video_v2a_shift = self.get_mod_params(
+            self.video_a2v_cross_attn_scale_shift_table[:4, :], temb_ca_scale_shift, batch_size)
+        a2v_gate = self.get_mod_params(self.video_a2v_cross_attn_scale_shift_table[4:, :], temb_ca_gate,
+                                       batch_size)[0]
+        audio_a2v_scale, audio_a2v_shift, audio_v2a_scale, audio_v2a_shift = self.get_mod_params(
+            self.audio_a2v_cross_attn_scale_shift_table[:4, :], temb_ca_audio_scale_shift, batch_size)
+        v2a_gate = self.get_mod_params(self.audio_a2v_cross_attn_scale_shift_table[4:, :], temb_ca_audio_gate,
+                                       batch_size)[0]
+        video_a2v, hidden_states = _norm(self.audio_to_video_norm, hidden_states, video_pending, video_a2v_scale,
+                                         video_a2v_shift)
+        video_v2a, _ = _norm(self.audio_to_video_norm, hidden_states, None, video_v2a_scale, video_v2a_shift)
+        audio_a2v, audio_hidden_states = _norm(self.video_to_audio_norm, audio_hidden_states, audio_pending,
+                                               audio_a2v_scale, audio_a2v_shift)
+        audio_v2a, _ = _norm(self.video_to_audio_norm, audio_hidden_states, None, audio_v2a_scale, audio_v2a_shift)
+        video_pending = audio_pending = None
+        if use_a2v_cross_attention:
+            video_pending = (self.audio_to_video_attn(video_a2v, encoder_hidden_states=audio_a2v,
+                                                      query_rotary_emb=ca_video_rotary_emb,
+                                                      key_rotary_emb=ca_audio_rotary_emb,
+                                                      attention_mask=a2v_cross_attention_mask), a2v_gate)
+        if use_v2a_cross_attention:
+            audio_pending = (self.video_to_audio_attn(audio_v2a, encoder_hidden_states=video_v2a,
+                                                      query_rotary_emb=ca_audio_rotary_emb,
+                                                      key_rotary_emb=ca_video_rotary_emb,
+                                                      attention_mask=v2a_cross_attention_mask), v2a_gate)
+
+    # 4. Feed-forwards
+    x, hidden_states = _norm(self.norm3, hidden_states, video_pending, video[4], video[3])
+    hidden_states = hidden_states + self.ff(x) * video[5]
+    x, audio_hidden_states = _norm(self.audio_norm3, audio_hidden_states, audio_pending, audio[4], audio[3])
+    audio_hidden_states = audio_hidden_states + self.audio_ff(x) * audio[5]
+    return hidden_states, audio_hidden_states
+
+
+def _ltx_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                       encoder_attention_mask=None):
+    """diffusers' LTXVideoTransformerBlock: norm1 as norm_scale_shift, "x + cross-attention, then
+    norm2" as residual_norm_scale_shift. With a hooked norm, diffusers' forward runs."""
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
+
+    if patching.hooked(self, _LTX_NORMS):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                  encoder_attention_mask)
+    # LTX-2's get_mod_params is the code LTX-Video's block writes inline
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = LTX2VideoTransformerBlock.get_mod_params(
+        self.scale_shift_table, temb, hidden_states.size(0))
+    x, _ = _norm(self.norm1, hidden_states, None, scale_msa, shift_msa)
+    attention = self.attn1(hidden_states=x, encoder_hidden_states=None, image_rotary_emb=image_rotary_emb)
+    hidden_states = hidden_states + attention * gate_msa
+    attention = self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states, image_rotary_emb=None,
+                           attention_mask=encoder_attention_mask)
+    x, hidden_states = _norm(self.norm2, hidden_states, (attention, None), scale_mlp, shift_mlp)
+    return hidden_states + self.ff(x) * gate_mlp
+
+
+# ----- attention: the RoPE --------------------------------------------------------------------
+
+
+def _table_fits(table, rope_type, batch, tokens, width, head_dim) -> bool:
+    """Whether (cos, sin) are the tables diffusers builds for rows [batch, tokens, width]."""
+    wanted = ((batch, tokens, width) if rope_type == "interleaved"
+              else (batch, width // head_dim, tokens, head_dim // 2))
+    return all(tuple(t.shape) == wanted for t in table)
+
+
+def _cache(table, rope_type, head_dim) -> torch.Tensor:
+    """(cos, sin) as rope_'s cache, one row per (item, token, head) in that order."""
+    cos, sin = table
+    if rope_type == "interleaved":  # [B, S, H * Dh], every pair's value repeated
+        return patching.cos_sin_cache(cos.reshape(-1, head_dim), sin.reshape(-1, head_dim))
+    return torch.cat([cos, sin], dim=-1).transpose(1, 2).reshape(-1, head_dim)  # [B, H, S, Dh / 2] each
+
+
+def _rows(x, head_dim):
+    return x.reshape(-1, 1, head_dim)  # diffusers' norm output: a fresh [B, S, H * Dh] tensor, viewed
+
+
+class LTXRopeProcessor(patching.DitopsProcessor):
+    """The ditops part of the LTX processors (subclasses below take diffusers' arguments):
+    q and k through diffusers' projections and q/k norms, the RoPE as rope_ on them, attention
+    through dispatch_attention_fn with this processor's backend and parallel config."""
+
+    def fits(self, attn, hidden_states, context, query_table, key_table, rope_type) -> bool:
+        return (_table_fits(query_table, rope_type, *hidden_states.shape[:2], attn.inner_dim, attn.head_dim)
+                and _table_fits(key_table, rope_type, *context.shape[:2], attn.inner_kv_dim, attn.head_dim))
+
+    def rotary_attention(self, attn, hidden_states, context, query_table, key_table, rope_type) -> torch.Tensor:
+        """Attention of [B, S, H * Dh] rows, before the output projection; key_table None: the
+        query's (one cache for q and k)."""
+        query = _rows(attn.norm_q(attn.to_q(hidden_states)), attn.head_dim)
+        key = _rows(attn.norm_k(attn.to_k(context)), attn.head_dim)
+        interleaved = rope_type == "interleaved"
+        if key_table is None:
+            ops.rope_(query, key, _cache(query_table, rope_type, attn.head_dim), interleaved=interleaved)
+        else:
+            ops.rope_(query, None, _cache(query_table, rope_type, attn.head_dim), interleaved=interleaved)
+            ops.rope_(key, None, _cache(key_table, rope_type, attn.head_dim), interleaved=interleaved)
+        query, key, value = (x.view(*source.shape[:2], attn.heads, -1) for x, source in
+                             ((query, hidden_states), (key, context), (attn.to_v(context), context)))
+        return self.attention(query, key, value).flatten(2, 3).type_as(query)
+
+
+class LTXVideoRopeProcessor(LTXRopeProcessor):
+    """diffusers' LTXVideoAttnProcessor with the RoPE as rope_ (``LTXRopeProcessor``). Calls
+    without rotary tables, with a mask or context, or with tables of another shape go to
+    diffusers' processor."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if (image_rotary_emb is None or encoder_hidden_states is not None or attention_mask is not None
+                or not self.fits(attn, hidden_states, hidden_states, image_rotary_emb, image_rotary_emb, "interleaved")):
+            return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        out = self.rotary_attention(attn, hidden_states, hidden_states, image_rotary_emb, None, "interleaved")
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class LTX2RopeProcessor(LTXRopeProcessor):
+    """diffusers' LTX2AudioVideoAttnProcessor with the RoPE as rope_ (``LTXRopeProcessor``), then
+    its per-head output gates where the attention has them. Calls without rotary tables, with a
+    mask, or with tables of another shape go to diffusers' processor."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
+                 key_rotary_emb=None):
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        if (query_rotary_emb is None or attention_mask is not None
+                or not self.fits(attn, hidden_states, context, query_rotary_emb,
+                                 query_rotary_emb if key_rotary_emb is None else key_rotary_emb, attn.rope_type)):
+            return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
+                              key_rotary_emb)
+        out = self.rotary_attention(attn, hidden_states, context, query_rotary_emb, key_rotary_emb, attn.rope_type)
+        if attn.to_gate_logits is not None:
+            # diffusers' factor 2: zero-initialised logits give gates of 1
+            gates = 2.0 * torch.sigmoid(attn.to_gate_logits(hidden_states))
+            out = (out.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class LTX2PerturbedRopeProcessor(LTX2RopeProcessor):
+    """diffusers' LTX2PerturbedAttnProcessor: without perturbation (the blocks outside
+    ``spatio_temporal_guidance_blocks``) it computes LTX2AudioVideoAttnProcessor's attention, so
+    ``LTX2RopeProcessor``; calls with STG perturbation go to diffusers' processor."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
+                 key_rotary_emb=None, perturbation_mask=None, all_perturbed=None):
+        if perturbation_mask is not None or (all_perturbed is not None and all_perturbed is not False):
+            return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
+                              key_rotary_emb, perturbation_mask, all_perturbed)
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
+                                key_rotary_emb)
+
+
+# ----- which blocks and attentions --------------------------------------------------------------
+
+
+def _plain_rms_norms(block, names) -> bool:
+    from diffusers.models.normalization import RMSNorm
+
+    return all(type(getattr(block, name)) is RMSNorm and getattr(block, name).weight is None for name in names)
+
+
+def _ltx2_processor_class(attn):
+    """The ditops processor for an LTX-2 attention, or None."""
+    from diffusers.models.transformers import transformer_ltx2 as ltx2
+
+    processors = {ltx2.LTX2AudioVideoAttnProcessor: LTX2RopeProcessor,
+                  ltx2.LTX2PerturbedAttnProcessor: LTX2PerturbedRopeProcessor}
+    if type(attn) is not ltx2.LTX2Attention or attn.rope_type not in ("interleaved", "split"):
+        return None
+    return processors.get(type(attn.processor))
+
+
+def _ltx_processor_class(attn):
+    from diffusers.models.transformers import transformer_ltx as ltx
+
+    supported = type(attn) is ltx.LTXAttention and type(attn.processor) is ltx.LTXVideoAttnProcessor
+    return LTXVideoRopeProcessor if supported else None
+
+
+_LTX2 = dict(norms=_LTX2_NORMS, forward=_ltx2_block_forward, processor_class=_ltx2_processor_class,
+             rotary=("attn1", "audio_attn1", "audio_to_video_attn", "video_to_audio_attn"),
+             text=("attn2", "audio_attn2"), output="norm_out, audio_norm_out")
+_LTX = dict(norms=_LTX_NORMS, forward=_ltx_block_forward, processor_class=_ltx_processor_class, rotary=("attn1",),
+            text=("attn2",), output="norm_out")
+
+
+def _sites(norms) -> list:
+    """(norm, op) per norm a block forward fuses."""
+    ops_of = {"norm1": "norm_scale_shift", "audio_norm1": "norm_scale_shift",
+              "audio_to_video_norm": "residual_norm_scale_shift, norm_scale_shift",
+              "video_to_audio_norm": "residual_norm_scale_shift, norm_scale_shift"}
+    return [(name, ops_of.get(name, "residual_norm_scale_shift")) for name in norms]
+
+
+def patch(model, patches: list, report) -> None:
+    from diffusers.models.transformers.transformer_ltx import LTXVideoTransformerBlock
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
+
+    block_class, family = ((LTX2VideoTransformerBlock, _LTX2) if type(model).__name__ == "LTX2VideoTransformer3DModel"
+                           else (LTXVideoTransformerBlock, _LTX))
+    for index, block in enumerate(model.transformer_blocks):
+        path = f"transformer_blocks.{index}"
+        if type(block) is not block_class:
+            report.skipped.append(f"{path}: {type(block).__name__}, not {block_class.__name__}; left as it is")
+            continue
+        if not _plain_rms_norms(block, family["norms"]):
+            report.skipped.append(f"{path}: norms not RMSNorms without weight; left as they are")
+        elif patching.replace_forward(patches, report, block, path, family["forward"]):
+            report.replaced += [(f"{path}.{name}", op) for name, op in _sites(family["norms"])]
+        for name in family["rotary"]:
+            attn = getattr(block, name)
+            processor_class = family["processor_class"](attn)
+            patching.replace_processor(patches, report, attn, f"{path}.{name}", processor_class is not None,
+                                       processor_class, "rope_")
+        report.skipped += [f"{path}.{name}: text cross-attention, q/k RMSNorm without RoPE; left as it is"
+                           for name in family["text"]]
+    report.skipped.append("the attentions' q/k RMSNorm over all heads together (not per head as qk_norm_rope_ "
+                          "computes): diffusers' norm_q / norm_k")
+    report.skipped.append(f"{family['output']}: the output LayerNorm and its modulation; left as it is")
