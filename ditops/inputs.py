@@ -107,7 +107,9 @@ class RowSpec:
     fp8_dtype: Optional[torch.dtype] = None  # *_fp8 ops: the output format; None: the device's own (dispatch.fp8_dtypes)
     static_scale: Optional[float] = None  # *_fp8 ops: one scale for every row (small: values saturate); None: per row
     activation: Optional[str] = None  # quantize_fp8: applied before quantising ("gelu_tanh")
-    zero_rows: bool = False  # quantize_fp8: every other row of x all zeros (the dynamic scale's floor)
+    zero_rows: bool = False  # quantize_fp8: every other row of x (and of its prefix) all zeros (the dynamic scale's floor)
+    prefix: int = 0  # quantize_fp8: the width P of a prefix (x's layout) quantised with x's rows; 0: no prefix
+    prefix_special_values: bool = False  # quantize_fp8: NaN and Inf planted in the prefix, as special_values does in x
 
 
 @dataclass(frozen=True)

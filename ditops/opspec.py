@@ -204,14 +204,17 @@ def _check_residual_norm_scale_shift_fp8(
 ACTIVATIONS = (None, "gelu_tanh")
 
 
-def _check_quantize_fp8(x, activation, fp8_dtype, static_scale, describe_call=True) -> Optional[Features]:
+def _check_quantize_fp8(x, activation, prefix, fp8_dtype, static_scale, describe_call=True) -> Optional[Features]:
     op = "quantize_fp8"
     validation.tensor(op, "x", x)
     shape = validation.rows(op, "x", x)
     validation.choice(op, "activation", activation, ACTIVATIONS)
+    width = validation.prefix(op, "prefix", prefix, x)
     extra = _fp8_arguments(op, x, fp8_dtype, static_scale)
-    if describe_call and x.numel():
-        return describe((x,), extra.pop("params"), hidden_size=shape.hidden, batch_size=shape.batch, **extra)
+    # a row is P + D values (x may have none: its prefix alone is quantised)
+    if describe_call and shape.batch * shape.tokens * (width + shape.hidden):
+        return describe((x, prefix), extra.pop("params"), hidden_size=width + shape.hidden, batch_size=shape.batch,
+                        prefix_size=width, **extra)
 
 
 def _select_arguments(op, x, index, modulation, weight, bias, eps):
@@ -442,10 +445,15 @@ def _residual_norm_scale_shift_fp8_inputs(spec: RowSpec, dtype, device, generato
 
 
 def _quantize_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:
-    x = _Rows(spec, dtype, device, generator).x()
+    r = _Rows(spec, dtype, device, generator)
+    x = r.x()
+    prefix = None
+    if spec.prefix:  # drawn after x: the cases without a prefix draw what they drew before it existed
+        prefix = activation(generator, device, dtype, (*r.shape[:-1], spec.prefix), spec.layout, spec.prefix_special_values)
     if spec.zero_rows and not is_meta(device):
-        x[..., ::2, :] = 0
-    return dict(x=x, activation=spec.activation, **_fp8_options(spec, device))
+        for t in (x, prefix) if prefix is not None else (x,):
+            t[..., ::2, :] = 0
+    return dict(x=x, activation=spec.activation, prefix=prefix, **_fp8_options(spec, device))
 
 
 def _rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
@@ -682,6 +690,18 @@ QUANTIZE_SPECS = {
     "nan-inf": RowSpec(2, 4, 96, special_values=True),
     "static-saturating": RowSpec(2, 6, 512, static_scale=2e-3),
     "empty": RowSpec(2, 0, 256),
+    # a prefix: FLUX's single block (attention output, then its GELU MLP hidden state), widths
+    # the cuda/rocm kernels take (P and D multiples of 8) and odd ones they refuse
+    "flux-single-block-prefix": RowSpec(1, 6, 12288, activation="gelu_tanh", prefix=3072),
+    "prefix-odd-p333": RowSpec(2, 7, 1000, activation="gelu_tanh", prefix=333),
+    "prefix-odd-d203": RowSpec(2, 5, 203, prefix=64),
+    "prefix-strided": RowSpec(2, 6, 512, layout="strided", activation="gelu_tanh", prefix=256),
+    "prefix-two-d-misaligned": RowSpec(1, 11, 320, two_d=True, layout="misaligned", prefix=64),
+    "prefix-zero-rows": RowSpec(2, 6, 256, zero_rows=True, prefix=128),
+    "prefix-nan-inf": RowSpec(2, 4, 96, activation="gelu_tanh", prefix=64, prefix_special_values=True),
+    "prefix-static-saturating": RowSpec(2, 6, 512, static_scale=2e-3, prefix=256),
+    "prefix-empty-x": RowSpec(2, 3, 0, prefix=64),
+    "prefix-empty": RowSpec(2, 0, 256, prefix=128),
 }
 
 
@@ -856,16 +876,24 @@ def residual_norm_scale_shift_fp8(x: T, residual: T, gate: OT, scale: T, shift: 
     """
 
 
-def quantize_fp8(x: T, *, activation: Optional[str] = None, fp8_dtype: Optional[torch.dtype] = None,
+def quantize_fp8(x: T, *, activation: Optional[str] = None, prefix: OT = None, fp8_dtype: Optional[torch.dtype] = None,
                  static_scale: OT = None) -> tuple:
     """Rows of x, after ``activation`` (None or "gelu_tanh", diffusers' GELU(approximate="tanh")),
     quantised for an FP8 GEMM in one pass: returns (y, y_scale) as ``norm_scale_shift_fp8`` does.
+
+    prefix: [..., P] with x's leading dims and dtype, or None: y is then the rows of
+    ``cat([prefix, act(x)], -1)``, [..., P + D], one scale per row over both parts (the
+    activation applies to x only), without the concatenation in memory: the input of one FP8
+    GEMM over both (FLUX's single block: attention output, then its GELU MLP hidden state).
 
     >>> import torch, ditops
     >>> hidden = torch.randn(8, 256, dtype=torch.bfloat16)  # an MLP's up-projection output
     >>> y, y_scale = ditops.quantize_fp8(hidden, activation="gelu_tanh")
     >>> y.shape, y_scale.shape
     (torch.Size([8, 256]), torch.Size([8, 1]))
+    >>> attention = torch.randn(8, 64, dtype=torch.bfloat16)
+    >>> ditops.quantize_fp8(hidden, activation="gelu_tanh", prefix=attention)[0].shape
+    torch.Size([8, 320])
     """
 
 
@@ -884,6 +912,8 @@ _QUANTIZE_BENCH = (
     BenchShape("FLUX.1-dev 1024px attention out", f"B1 S{_JOINT} D3072", _rows(1, _JOINT, 3072)),
     BenchShape("Wan2.1-14B 720p MLP (GELU)", "B1 S75600 D13824", dataclasses.replace(_rows(1, 75600, 13824),
                                                                                      activation="gelu_tanh")),
+    BenchShape("FLUX.1-dev 1024px single block (attention + MLP GELU)", f"B1 S{_JOINT} P3072 D12288",
+               dataclasses.replace(_rows(1, _JOINT, 12288), activation="gelu_tanh", prefix=3072)),
     BenchShape("latency", "B1 S128 D3072", _rows(1, 128, 3072), quick=True),
 )
 

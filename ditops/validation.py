@@ -85,6 +85,18 @@ def rows(op: str, name: str, x: torch.Tensor) -> RowShape:
     fail(op, name, f"has shape {_shape(x)}", "[B, S, D] or [N, D]")
 
 
+def prefix(op: str, name: str, t, x: torch.Tensor) -> int:
+    """Columns that come before x's in each row (quantize_fp8): x's dtype, device and leading
+    dims, any width P. Returns P (0 for None)."""
+    if t is None:
+        return 0
+    tensor(op, name, t, ACTIVATION_DTYPES, x.device)
+    same_dtype(op, name, t, "x", x)
+    if t.shape[:-1] != x.shape[:-1]:
+        fail(op, name, f"has shape {_shape(t)}", f"x's leading dims and any width P, [{', '.join(map(str, x.shape[:-1]))}, P]")
+    return t.shape[-1]
+
+
 def modulation(op: str, name: str, t, x_rows: RowShape, device: torch.device) -> str:
     """Checks a scale/shift/gate tensor against x and returns its form (docs/ops.md, "Modulation tensors").
 

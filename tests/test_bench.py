@@ -93,6 +93,15 @@ def test_bytes_residual_norm_scale_shift_wan_layout_and_no_gate():
     assert minimum_bytes("residual_norm_scale_shift", arguments) == x + residual + gate + scale + shift + y + residual_out == 512
 
 
+def test_bytes_quantize_fp8_with_a_prefix():
+    """FP8 rows of P + D bytes and a float32 scale per row, after reading x and the prefix."""
+    g = generator()
+    arguments = dict(x=randn(g, 2, 3, 8), activation="gelu_tanh", prefix=randn(g, 2, 3, 16), fp8_dtype=torch.float8_e4m3fn)
+    x, prefix, y, y_scale = X_BF16, 2 * X_BF16, 2 * 3 * (16 + 8), 2 * 3 * 4
+    assert minimum_bytes("quantize_fp8", arguments) == x + prefix + y + y_scale == 456
+    assert minimum_bytes("quantize_fp8", dict(arguments, prefix=None)) == x + 2 * 3 * 8 + y_scale == 168
+
+
 def _select_arguments(g, residual: bool) -> dict:
     set0, set1 = randn(g, 2, 6, 8), randn(g, 2, 6, 8)
     index = torch.zeros(2, 3, dtype=torch.int64)
@@ -253,7 +262,7 @@ def test_select_cases_quick_and_combined():
     assert bench.select_cases(ops=["rope"], shapes=["LLM"], quick=True) == []  # the LLM rows are not quick
 
 
-NORM_SHAPE = re.compile(r"B(\d+) S(\d+) D(\d+)")
+NORM_SHAPE = re.compile(r"B(\d+) S(\d+)(?: P(\d+))? D(\d+)")  # P: quantize_fp8's prefix width
 HEADS_SHAPE = re.compile(r"T(\d+) (?:H(\d+)|Hq(\d+) Hk(\d+)) Dh(\d+)( neox)?")
 
 
@@ -269,7 +278,9 @@ def _check_shape_string(case, arguments):
     else:
         match = NORM_SHAPE.fullmatch(case.shape)
         assert match, case.shape
-        assert tuple(arguments["x"].shape) == tuple(int(n) for n in match.groups())
+        batch, tokens, prefix, hidden = match.groups()
+        assert tuple(arguments["x"].shape) == (int(batch), int(tokens), int(hidden))
+        assert (arguments["prefix"].shape[-1] if arguments.get("prefix") is not None else None) == (prefix and int(prefix))
 
 
 def test_shape_strings_describe_the_built_arguments():
@@ -590,6 +601,7 @@ LAYOUTS = {
     "add_gate_norm_scale": opspec._rows(2, 16, 64, norm="rms", affine=True, modulation_dtype=F32),
     "qk_norm_rope_": dataclasses.replace(opspec._heads(16, 4, 2, 32, interleaved=False, positions=True), leading=(2, 16)),
     "rope_": opspec._heads(32, 4, 2, 32, interleaved=False, positions=True),
+    "quantize_fp8": dataclasses.replace(opspec._rows(2, 16, 64), activation="gelu_tanh", prefix=32),
 }
 
 

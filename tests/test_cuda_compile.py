@@ -23,6 +23,7 @@ SMOKE = {("sm_90", instance) for instance in (
     compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True),  # FLUX's norm, with an affine
     compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True, torch.float8_e4m3fn),  # its FP8 form
     compiled.quantize_instance(torch.bfloat16, torch.float8_e4m3fn, True, 12288),  # FLUX's MLP activation
+    compiled.quantize_instance(torch.bfloat16, torch.float8_e4m3fn, True, 3072 + 12288, True),  # FLUX's single block
 )}
 
 
@@ -60,7 +61,8 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
         assert {compiled.rotary_instance(dtype, head_size, interleaved, streaming)
                 for interleaved, streaming in itertools.product((False, True), (False, True))} <= tested
     for dtype, fp8_dtype, hidden in itertools.product(dtypes, compiled.FP8_TYPES, range(8, 16384 + 1, 8)):
-        assert {compiled.quantize_instance(dtype, fp8_dtype, gelu, hidden) for gelu in (False, True)} <= tested
+        assert {compiled.quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
+                for gelu, prefix in itertools.product((False, True), (False, True))} <= tested
         assert {compiled.row_instance("modulated_norm", dtype, param_dtype, hidden, affine, fp8_dtype)
                 for param_dtype, affine in itertools.product(dtypes, (False, True))} <= tested
 
@@ -113,10 +115,11 @@ def test_a_row_call_takes_the_affine_instance_exactly_when_it_has_a_weight_or_bi
 
 def test_a_quantize_call_takes_the_instance_of_its_format_and_activation():
     """quantize_fp8's launch (built on the CPU) picks the row_quantize instance of y's FP8
-    format, with GELU exactly when the call asks for it, in the row class of its D."""
+    format, with GELU exactly when the call asks for it and the prefix flag exactly when it
+    has a prefix, in the row class of its width (P + D with a prefix), and launches that width."""
     from ditops.backends.cuda import KERNELS
 
-    gelus = set()
+    gelus, prefixes = set(), set()
     for case in conformance.CASES:
         if case.op != "quantize_fp8":
             continue
@@ -126,10 +129,13 @@ def test_a_quantize_call_takes_the_instance_of_its_format_and_activation():
             if OPS[case.op].check(*arguments) is None:
                 continue  # empty input: nothing is launched
             launch = KERNELS.quantize_fp8_launch(*arguments, *OPS[case.op].outputs(*arguments))
-            gelu = values["activation"] == "gelu_tanh"
-            assert launch.instance == compiled.quantize_instance(torch.bfloat16, fp8_dtype, gelu, values["x"].shape[-1])
+            gelu, prefix = values["activation"] == "gelu_tanh", values["prefix"]
+            width = values["x"].shape[-1] + (prefix.shape[-1] if prefix is not None else 0)
+            assert launch.instance == compiled.quantize_instance(torch.bfloat16, fp8_dtype, gelu, width, prefix is not None)
+            assert launch.arguments[2] == width - values["x"].shape[-1] and launch.arguments[-1] == width, case.id
             gelus.add(gelu)
-    assert gelus == {False, True}
+            prefixes.add(prefix is not None)
+    assert gelus == prefixes == {False, True}
 
 
 def test_the_instance_stats_script_reports_the_compiled_registers():

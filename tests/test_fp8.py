@@ -79,6 +79,63 @@ def test_gelu_tanh_is_diffusers_gelu():
     assert ((y.float() * y_scale - expected).abs() <= 2 ** -4 * expected.abs() + y_scale * 2 ** -9).all()
 
 
+def test_a_prefix_is_quantised_with_x_as_one_row_and_takes_no_activation():
+    """quantize_fp8(x, prefix=p): the rows of cat([p, act(x)], -1), one scale per row over both
+    (FLUX's single block: attention output, then its GELU MLP hidden state), in x's leading dims."""
+    generator = torch.Generator().manual_seed(4)
+    x, prefix = torch.randn(2, 5, 48, generator=generator) * 3, torch.randn(2, 5, 16, generator=generator) * 5
+    y, y_scale = ditops.quantize_fp8(x, prefix=prefix, fp8_dtype=E4M3)
+    joined, joined_scale = ditops.quantize_fp8(torch.cat([prefix, x], -1), fp8_dtype=E4M3)
+    assert torch.equal(y.view(torch.uint8), joined.view(torch.uint8)) and torch.equal(y_scale, joined_scale)
+    y, y_scale = ditops.quantize_fp8(x, activation="gelu_tanh", prefix=prefix, fp8_dtype=E4M3)
+    expected = torch.cat([prefix, torch.nn.functional.gelu(x, approximate="tanh")], -1)
+    assert y.shape == (2, 5, 64) and y_scale.shape == (2, 5, 1)
+    assert ((y.float() * y_scale - expected).abs() <= 2 ** -4 * expected.abs() + y_scale * 2 ** -9).all()
+    torch.testing.assert_close(y_scale, expected.abs().amax(-1, keepdim=True) / 448)
+
+
+def test_a_prefix_alone_is_quantised_where_x_has_no_values():
+    prefix = torch.randn(3, 24)
+    y, y_scale = ditops.quantize_fp8(torch.randn(3, 0), activation="gelu_tanh", prefix=prefix, fp8_dtype=E4M3)
+    expected, expected_scale = ditops.quantize_fp8(prefix, fp8_dtype=E4M3)
+    assert torch.equal(y.view(torch.uint8), expected.view(torch.uint8)) and torch.equal(y_scale, expected_scale)
+
+
+@pytest.mark.parametrize("prefix, named", [
+    (torch.randn(2, 3, 16), r"prefix has shape \[2, 3, 16\]; wanted x's leading dims and any width P, \[2, P\]"),
+    (torch.randn(3, 16), r"prefix has shape \[3, 16\]; wanted x's leading dims"),
+    (torch.randn(2, 16, dtype=torch.bfloat16), "prefix has dtype bfloat16; wanted the dtype of x, float32"),
+    (torch.randn(2, 16, device="meta"), "prefix is on meta; wanted the device of the first activation argument, cpu"),
+    ([[1.0] * 16] * 2, "prefix is a list; wanted a torch.Tensor"),
+])
+def test_a_bad_prefix_is_named(prefix, named):
+    with pytest.raises(ValueError, match=named):
+        ditops.quantize_fp8(torch.randn(2, 32), prefix=prefix, fp8_dtype=E4M3)
+
+
+def test_the_kernels_take_a_prefix_by_its_width_and_x_s():
+    """cuda and rocm move a row in chunks of 8 values: P and D must each be a multiple of 8, so
+    that no chunk straddles the two parts (Triton takes any widths); P + D is the row's width
+    for every kernel's size limit."""
+    x = torch.randn(4, 1000, dtype=torch.bfloat16)
+    for arch, backend in (("sm_90", "cuda"), ("gfx942", "rocm")):
+        with simulated_device(arch):
+            fp8_dtype = ditops.fp8_dtypes("cpu")[0]
+
+            def refusals(prefix_width, hidden=1000):
+                prefix = torch.randn(4, prefix_width, dtype=torch.bfloat16)
+                explanation = ditops.explain("quantize_fp8", x[:, :hidden], prefix=prefix, fp8_dtype=fp8_dtype)
+                return {row.backend: row.refusal for row in explanation.candidates}
+
+            assert "needs P and D to be multiples of 8, got P=333, D=1000" in refusals(333)[backend]
+            assert "got P=64, D=999" in refusals(64, 999)[backend]
+            assert refusals(333)["triton"] is None and refusals(3072)["triton"] is None
+            too_wide = torch.randn(4, 16384, dtype=torch.bfloat16)
+            wide = ditops.explain("quantize_fp8", x[:, :8], prefix=too_wide, fp8_dtype=fp8_dtype)
+            assert {row.backend: row.refusal for row in wide.candidates}["triton"] == (
+                "supports P + D <= 16384, got P + D = 16384 + 8")
+
+
 def test_the_format_defaults_to_the_devices():
     x = torch.randn(2, 32)
     assert ditops.quantize_fp8(x)[0].dtype == torch.float8_e4m3fn  # the CPU: the first format listed

@@ -19,6 +19,38 @@ def test_opcheck(op, dtype):
     torch.library.opcheck(getattr(torch.ops.ditops, op).default, (*arguments, None))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_opcheck_quantize_fp8_with_a_prefix(dtype):
+    """y [..., P + D]: the fake implementation's shapes must be the real one's."""
+    x, prefix = torch.randn(2, 6, 48, dtype=dtype), torch.randn(2, 6, 16, dtype=dtype)
+    arguments, _ = ordered_arguments("quantize_fp8", x, activation="gelu_tanh", prefix=prefix, fp8_dtype=torch.float8_e4m3fn)
+    torch.library.opcheck(torch.ops.ditops.quantize_fp8.default, (*arguments, None))
+
+
+def test_compile_fullgraph_quantizes_a_prefix_and_x_in_one_node():
+    """FLUX's single block: the attention output and the GELU MLP hidden state as one FP8 input."""
+
+    def single_block(attention, mlp):
+        return ditops.quantize_fp8(mlp, activation="gelu_tanh", prefix=attention * 2, fp8_dtype=torch.float8_e4m3fn)
+
+    generator = torch.Generator().manual_seed(3)
+    attention, mlp = torch.randn(2, 6, 32, generator=generator), torch.randn(2, 6, 64, generator=generator)
+    eager = single_block(attention, mlp)
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    traced = torch.compile(single_block, backend=record, fullgraph=True)(attention, mlp)
+    assert len(graphs) == 1
+    assert torch.ops.ditops.quantize_fp8 in {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
+    inducted = torch.compile(single_block, fullgraph=True)(attention, mlp)
+    for result in (traced, inducted):
+        assert result[0].shape == (2, 6, 96)
+        assert torch.equal(result[0].view(torch.uint8), eager[0].view(torch.uint8)) and torch.equal(result[1], eager[1])
+
+
 def test_in_place_ops_declare_their_mutations():
     for op in ("qk_norm_rope_", "rope_"):
         schema = getattr(torch.ops.ditops, op).default._schema

@@ -104,10 +104,14 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
     return Instance(f"{kernel}.cu", kernel, arguments, block, threads)
 
 
-def quantize_instance(dtype: torch.dtype, fp8_dtype: torch.dtype, gelu: bool, hidden: int) -> Instance:
-    """The row_quantize kernel (quantize_fp8) for activations of dtype, in the row classes' layouts."""
+def quantize_instance(dtype: torch.dtype, fp8_dtype: torch.dtype, gelu: bool, hidden: int,
+                      prefix: bool = False) -> Instance:
+    """The row_quantize kernel (quantize_fp8) for activations of dtype, in the row classes'
+    layouts; hidden: a row's width, P + D with a prefix. prefix: a template flag, so that the
+    calls without one run the kernel they ran before it existed."""
     threads, chunks, block, min_blocks = _row_layout("row_quantize", dtype, hidden)
-    arguments = (C_TYPES[dtype], FP8_TYPES[fp8_dtype], "true" if gelu else "false", threads, chunks, block, min_blocks)
+    arguments = (C_TYPES[dtype], FP8_TYPES[fp8_dtype], "true" if gelu else "false", "true" if prefix else "false",
+                 threads, chunks, block, min_blocks)
     return Instance("row_quantize.cu", "row_quantize", arguments, block, threads)
 
 
@@ -155,8 +159,8 @@ def all_instances() -> list:
         for kernel, param_dtype, hidden, affine, fp8_dtype in itertools.product(Y_TYPED_KERNELS, C_TYPES, rows,
                                                                                 (False, True), FP8_TYPES):
             instances.append(row_instance(kernel, dtype, param_dtype, hidden, affine, fp8_dtype))
-        instances += [quantize_instance(dtype, fp8_dtype, gelu, hidden)
-                      for fp8_dtype, gelu, hidden in itertools.product(FP8_TYPES, (False, True), rows)]
+        instances += [quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
+                      for fp8_dtype, gelu, hidden, prefix in itertools.product(FP8_TYPES, (False, True), rows, (False, True))]
         instances += [rotary_instance(dtype, head_size, interleaved, streaming)
                       for head_size, interleaved, streaming in itertools.product(ROTARY_HEAD_SIZES, (False, True), (False, True))]
     return list(dict.fromkeys(instances))
@@ -316,19 +320,20 @@ class CompiledOps:
         return self._row_grid(kernel, x, arguments, lambda hidden: row_instance(
             kernel, x.dtype, _param_dtype(x, params), hidden, affine, fp8_dtype))
 
-    def _row_grid(self, kernel: str, x: torch.Tensor, arguments: list,
-                  instance_of: Callable[[int], Instance]) -> Optional[CompiledLaunch]:
-        """A row kernel's launch over x's rows: the instance for D, a block's rows at a time."""
+    def _row_grid(self, kernel: str, x: torch.Tensor, arguments: list, instance_of: Callable[[int], Instance],
+                  prefix_width: int = 0) -> Optional[CompiledLaunch]:
+        """A row kernel's launch over x's rows, each prefix_width + D values wide (quantize_fp8's
+        prefix comes before x's columns): the instance for that width, a block's rows at a time."""
         shape = rows_of(x)
-        rows = shape.batch * shape.tokens
-        if rows == 0 or shape.hidden == 0:
+        rows, width = shape.batch * shape.tokens, prefix_width + shape.hidden
+        if rows == 0 or width == 0:
             return None
         if rows >= 2**31:
             raise ValueError(f"{kernel}: B * S = {rows} rows; the compiled kernels index rows with 32 bits")
-        instance = instance_of(shape.hidden)
+        instance = instance_of(width)
         rows_per_block = instance.block // instance.group
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
-        return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, shape.hidden])
+        return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, width])
 
     def _modulated_norm(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale=None,
                         static_scale=None):
@@ -353,9 +358,11 @@ class CompiledOps:
         return self._modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale,
                                     static_scale)
 
-    def quantize_fp8_launch(self, x, activation, fp8_dtype, static_scale, y, y_scale):
-        return self._row_grid("row_quantize", x, [_rows(x), y, y_scale, static_scale], lambda hidden: quantize_instance(
-            x.dtype, y.dtype, activation == "gelu_tanh", hidden))
+    def quantize_fp8_launch(self, x, activation, prefix, fp8_dtype, static_scale, y, y_scale):
+        prefix_width = prefix.shape[-1] if prefix is not None else 0
+        arguments = [_rows(x), _rows(prefix), prefix_width, y, y_scale, static_scale]
+        return self._row_grid("row_quantize", x, arguments, lambda hidden: quantize_instance(
+            x.dtype, y.dtype, activation == "gelu_tanh", hidden, prefix is not None), prefix_width)
 
     def _selected_modulation_norm(self, x, residual, residual_gate, index, modulations, weight, bias, eps,
                                   y, residual_out, gate_out):

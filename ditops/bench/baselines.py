@@ -130,9 +130,9 @@ def residual_norm_scale_shift_fp8(x, residual, gate, scale, shift, weight=None, 
     return (*_quantize(y, fp8_dtype, static_scale), residual_out)
 
 
-def quantize_fp8(x, activation=None, fp8_dtype=None, static_scale=None):
+def quantize_fp8(x, activation=None, prefix=None, fp8_dtype=None, static_scale=None):
     v = F.gelu(x, approximate="tanh") if activation == "gelu_tanh" else x
-    return _quantize(v, fp8_dtype, static_scale)
+    return _quantize(torch.cat([prefix, v], -1) if prefix is not None else v, fp8_dtype, static_scale)
 
 
 EAGER = {

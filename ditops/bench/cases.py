@@ -46,7 +46,7 @@ def cpu_case(case: BenchCase) -> BenchCase:
         text = f"T{inputs.leading[0]} H{inputs.q_heads} Dh{inputs.head_size}" + ("" if inputs.interleaved else " neox")
     else:
         inputs = dataclasses.replace(shape.inputs, affine=True, **CPU_ROWS)
-        text = f"B{inputs.batch} S{inputs.tokens} D{inputs.hidden}"
+        text = f"B{inputs.batch} S{inputs.tokens}{f' P{inputs.prefix}' if inputs.prefix else ''} D{inputs.hidden}"
     return BenchCase(case.op, case.model + " (CPU stand-in)", text,
                      lambda device, dtype, generator: spec.build(inputs, dtype, device, generator), case.quick)
 
@@ -77,7 +77,11 @@ def minimum_bytes(op: str, arguments: dict) -> int:
     tensors = {id(value): value for value in arguments.values() if isinstance(value, torch.Tensor)}  # one tensor passed twice
     inputs = sum(_distinct_bytes(value) for value in tensors.values())  # (weight2 = weight) is read once
     first = next(value for value in arguments.values() if isinstance(value, torch.Tensor))  # outputs are shaped like it
-    outputs = len(SPECS[op].outputs) * first.numel() * first.element_size()
-    if SPECS[op].quantized:  # one byte per value and a float32 scale per row in place of the first output
-        outputs += first.numel() * (1 - first.element_size()) + first.numel() // max(first.shape[-1], 1) * 4
-    return inputs + outputs
+    if not SPECS[op].quantized:
+        return inputs + len(SPECS[op].outputs) * first.numel() * first.element_size()
+    # FP8 rows, a byte per value (quantize_fp8's prefix columns too), and a float32 scale per
+    # row, in place of the first two outputs; the others are shaped like the first input
+    rows = first.shape[:-1].numel()
+    prefix = arguments.get("prefix")
+    width = first.shape[-1] + (prefix.shape[-1] if prefix is not None else 0)
+    return inputs + rows * (width + 4) + (len(SPECS[op].outputs) - 2) * first.numel() * first.element_size()

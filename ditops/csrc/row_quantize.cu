@@ -1,6 +1,9 @@
 // quantize_fp8: y = act(x) as FP8 rows of format Y (fp8.cuh) and their scales y_scale, act the
 // identity or GELU's tanh approximation (static_scale nullptr: dynamic scales). x is read once,
 // the row held in registers until its amax is known, y and one scale per row written once.
+// PREFIX: a row of y is cat([prefix, act(x)]), hidden = prefix_width + D values, each chunk read
+// from the one tensor that holds it (prefix_width % kChunk == 0: no chunk straddles the two), so
+// the amax covers both parts and the concatenation is never in memory.
 #include "row_tile.cuh"
 
 // 0.5 v (1 + tanh(z)) = v / (1 + exp(-2 z)), z = sqrt(2 / pi) (v + 0.044715 v^3), with the
@@ -10,13 +13,18 @@ __device__ inline float gelu_tanh(float v) {
     return __fdividef(v, 1.0f + __expf(-1.5957691216057308f * (v + 0.044715f * v * v * v)));
 }
 
-template <typename T, typename Y, bool GELU, int ROW_THREADS, int CHUNKS, int BLOCK, int MIN_BLOCKS>
-__global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) row_quantize(Rows x, Y* __restrict__ y, float* __restrict__ y_scale,
+template <typename T, typename Y, bool GELU, bool PREFIX, int ROW_THREADS, int CHUNKS, int BLOCK, int MIN_BLOCKS>
+__global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) row_quantize(Rows x, Rows prefix, long long prefix_width,
+                                                              Y* __restrict__ y, float* __restrict__ y_scale,
                                                               const float* __restrict__ static_scale, long long rows,
                                                               long long tokens, long long hidden) {
     const RowPosition at = RowPosition::of_thread<ROW_THREADS, BLOCK, CHUNKS>(rows, tokens, hidden);
     Row<T, ROW_THREADS, CHUNKS> row;
-    row.load(x, at);
+    if constexpr (PREFIX) {
+        row.load_joined(prefix, x, prefix_width, at);
+    } else {
+        row.load(x, at);
+    }
     QuantizedRow<Y, ROW_THREADS, CHUNKS> quantized;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
@@ -24,8 +32,10 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) row_quantize(Rows x, Y* __restr
         float v[kChunk];
         row.get(i, v);
         if constexpr (GELU) {
+            if (!PREFIX || at.column<ROW_THREADS>(i) >= prefix_width) {  // the prefix is quantised as it is
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) v[e] = gelu_tanh(v[e]);
+                for (int e = 0; e < kChunk; ++e) v[e] = gelu_tanh(v[e]);
+            }
         }
         quantized.set(i, v);
     }

@@ -60,6 +60,23 @@ struct Row {
         }
     }
 
+    // Row `at` of cat([first, second], -1), first holding its `split` columns (a multiple of
+    // kChunk, so that a chunk lies in one of the two): quantize_fp8's prefix and x.
+    __device__ void load_joined(const Rows& first, const Rows& second, long long split, const RowPosition& at) {
+        const T* first_row = static_cast<const T*>(first.data) + at.batch * first.batch_stride + at.token * first.token_stride;
+        const T* second_row = static_cast<const T*>(second.data) + at.batch * second.batch_stride + at.token * second.token_stride;
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            const long long column = at.column<ROW_THREADS>(i);
+            const T* source = column < split ? first_row + column : second_row + (column - split);
+#pragma unroll
+            for (int w = 0; w < kWords; ++w) {
+                words[i][w] = at.holds(i) ? load_hinted<false>(reinterpret_cast<const uint4*>(source + w * (16 / sizeof(T))))
+                                          : make_uint4(0, 0, 0, 0);
+            }
+        }
+    }
+
     __device__ void get(int i, float (&values)[kChunk]) const {
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) values[e] = word_element<T>(words[i], e);

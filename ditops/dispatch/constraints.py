@@ -69,19 +69,29 @@ def uniform_param_dtype(wanted: bool, f: Features) -> Reason:
         return f"needs modulation/weight tensors of one dtype, got {_dtype_names(sorted(set(f.param_dtypes), key=str))}"
 
 
+def _width(f: Features) -> str:
+    """The row width a call's sizes name: D, or P + D where a prefix comes before x's columns."""
+    if f.prefix_size:
+        return f"P + D = {f.prefix_size} + {f.hidden_size - f.prefix_size}"
+    return f"D={f.hidden_size}"
+
+
 def hidden_multiple_of(wanted: int, f: Features) -> Reason:
-    if f.hidden_size % wanted:
+    # P and D each: a kernel's chunk of a row then lies wholly in the prefix or wholly in x
+    if f.prefix_size % wanted or (f.hidden_size - f.prefix_size) % wanted:
+        if f.prefix_size:
+            return f"needs P and D to be multiples of {wanted}, got P={f.prefix_size}, D={f.hidden_size - f.prefix_size}"
         return f"needs D to be a multiple of {wanted}, got D={f.hidden_size}"
 
 
 def min_hidden_size(wanted: int, f: Features) -> Reason:
     if f.hidden_size < wanted:
-        return f"supports D >= {wanted}, got D={f.hidden_size}"
+        return f"supports {'P + D' if f.prefix_size else 'D'} >= {wanted}, got {_width(f)}"
 
 
 def max_hidden_size(wanted: int, f: Features) -> Reason:
     if f.hidden_size > wanted:
-        return f"supports D <= {wanted}, got D={f.hidden_size}"
+        return f"supports {'P + D' if f.prefix_size else 'D'} <= {wanted}, got {_width(f)}"
 
 
 def max_batch_size(wanted: int, f: Features) -> Reason:

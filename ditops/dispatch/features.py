@@ -23,7 +23,7 @@ class Features(NamedTuple):
     alignment: int  # largest power of two <= 16 dividing every data pointer and stride in bytes
     unit_stride: bool  # every tensor's last dimension has stride 1
     requires_grad: bool
-    hidden_size: int  # D of the norm ops, 0 for the RoPE ops
+    hidden_size: int  # D of the norm ops (quantize_fp8 with a prefix: its row's P + D), 0 for the RoPE ops
     batch_size: int  # B of the norm ops' x as [B, S, D] (1 for [N, D]), 0 for the RoPE ops
     head_size: int  # Dh of the RoPE ops, 0 for the norm ops
     rotary_dim: int  # R of the RoPE ops, 0 for the norm ops
@@ -33,6 +33,7 @@ class Features(NamedTuple):
     traced: bool  # traced into a compiled graph (torch.compile), not called eagerly
     out_dtype: Optional[torch.dtype] = None  # the FP8 format of an *_fp8 op's output; None: outputs like x
     out_dtype_native: bool = True  # the device's hardware has that format (registry.yaml: fp8_formats)
+    prefix_size: int = 0  # P of quantize_fp8's prefix, whose P columns come before x's D in each row; 0: none
 
 
 def describe(
@@ -48,6 +49,7 @@ def describe(
     interleaved: bool = False,
     out_dtype: Optional[torch.dtype] = None,
     out_dtype_native: bool = True,
+    prefix_size: int = 0,
 ) -> Features:
     """Features of a call; ``params`` may hold None for absent optional tensors."""
     # This runs on every eager call: each tensor attribute is read once, in one loop.
@@ -100,5 +102,6 @@ def describe(
         tracing,
         out_dtype,
         out_dtype_native,
+        prefix_size,
     )
     return tuple.__new__(Features, fields)  # skips NamedTuple.__new__'s keyword handling: 3x faster

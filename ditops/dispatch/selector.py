@@ -241,7 +241,8 @@ def format_table(features: Features, rows: list) -> str:
 def describe_features(f: Features) -> str:
     parts = [f"{str(f.dtype).removeprefix('torch.')} on {f.device}"]
     if f.hidden_size:
-        parts.append(f"D={f.hidden_size}, norm={f.norm}")
+        parts.append(f"D={f.hidden_size - f.prefix_size}, P={f.prefix_size}" if f.prefix_size else f"D={f.hidden_size}")
+        parts.append(f"norm={f.norm}")
     if f.head_size:
         parts.append(f"Dh={f.head_size}, R={f.rotary_dim}, {'interleaved' if f.interleaved else 'neox'}")
     if f.modulation:

@@ -167,12 +167,16 @@ def gelu_tanh(v: Tensor) -> Tensor:
     return 0.5 * v * (1 + torch.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
 
 
-def quantize_fp8(x, activation=None, fp8_dtype=None, static_scale=None, y=None, y_scale=None):
+def quantize_fp8(x, activation=None, prefix=None, fp8_dtype=None, static_scale=None, y=None, y_scale=None):
     """Rows of x, after ``activation`` (None or "gelu_tanh"), as FP8 rows and their float32
-    scales (_quantize_rows). Returns (y, y_scale)."""
-    v = x.to(_compute_dtype(x))
+    scales (_quantize_rows); with a prefix [..., P], the rows of cat([prefix, act(x)], -1),
+    the prefix as it is. Returns (y, y_scale)."""
+    compute = _compute_dtype(x)
+    v = x.to(compute)
     if activation == "gelu_tanh":
         v = gelu_tanh(v)
+    if prefix is not None:
+        v = torch.cat([prefix.to(compute), v], -1)
     return _quantize_rows(v, fp8_dtype, static_scale, y, y_scale)
 
 

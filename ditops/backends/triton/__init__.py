@@ -15,7 +15,7 @@ import torch
 
 from ...dispatch.device import DeviceInfo
 from ...dispatch.contract import Kernel
-from ..views import modulation, rows_of, tokens_of
+from ..views import Rows, modulation, rows_of, tokens_of
 from .gated_add_norm import gated_add_norm_kernel
 from .kernel_launch import KernelLaunch, bind, run, trace
 from .launch import rotary_launch, row_grid, row_launch, settings_of
@@ -84,13 +84,17 @@ def residual_norm_scale_shift_fp8_launch(x, residual, gate, scale, shift, weight
                            static_scale)
 
 
-def quantize_fp8_launch(x, activation, fp8_dtype, static_scale, y, y_scale):
+def quantize_fp8_launch(x, activation, prefix, fp8_dtype, static_scale, y, y_scale):
     shape = rows_of(x)
-    launch = row_launch("row_quantize", shape.batch * shape.tokens, shape.hidden, settings_of(x))
+    prefix_rows = rows_of(prefix) if prefix is not None else Rows(0, 0, 0, 0, 0)
+    width = prefix_rows.hidden + shape.hidden  # a row of y: the prefix's columns, then x's
+    launch = row_launch("row_quantize", shape.batch * shape.tokens, width, settings_of(x))
     return KernelLaunch(row_quantize_kernel, (-(-shape.tokens // launch.rows_per_program), shape.batch), (
-        x, shape.batch_stride, shape.token_stride, y, y_scale, static_scale, shape.tokens, shape.hidden,
+        x, shape.batch_stride, shape.token_stride, prefix, prefix_rows.batch_stride, prefix_rows.token_stride,
+        prefix_rows.hidden, y, y_scale, static_scale, shape.tokens, width,
     ), dict(
-        GELU=activation == "gelu_tanh", HAS_STATIC_SCALE=static_scale is not None, FP8_MAX=_fp8_max(y_scale, y),
+        GELU=activation == "gelu_tanh", PREFIX=prefix is not None, HAS_STATIC_SCALE=static_scale is not None,
+        FP8_MAX=_fp8_max(y_scale, y),
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
     ))
 
