@@ -118,30 +118,3 @@ def linear(rows: Float8Rows, weight: Tensor, weight_scale: Tensor, bias: Optiona
         out = out + bias
     return out.reshape(*leading, weight.shape[0])
 
-
-class Float8PartsLinear(torch.nn.Module):
-    """A Linear whose input is a concatenation of parts (FLUX's single-block ``proj_out`` reads
-    [attention output, MLP activation]): one FP8 GEMM per part, each part with its own row
-    scales, summed, the bias in the first. ``forward`` takes one Float8Rows per part, or the
-    concatenated tensor (each part then quantised by itself)."""
-
-    def __init__(self, linear: torch.nn.Linear, widths: tuple, fp8_dtype: torch.dtype):
-        super().__init__()
-        if sum(widths) != linear.in_features:
-            raise ValueError(f"Float8PartsLinear: widths {widths} sum to {sum(widths)}; wanted {linear.in_features}")
-        self.widths = tuple(widths)
-        self.parts = torch.nn.ModuleList()
-        for position, columns in enumerate(linear.weight.detach().split(self.widths, dim=1)):
-            part = torch.nn.Linear(columns.shape[1], linear.out_features, bias=position == 0 and linear.bias is not None,
-                                   device="meta")
-            part.weight = torch.nn.Parameter(columns, requires_grad=False)
-            if part.bias is not None:
-                part.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
-            self.parts.append(Float8Linear(part, fp8_dtype))
-
-    def forward(self, x) -> Tensor:
-        pieces = x.split(self.widths, dim=-1) if isinstance(x, Tensor) else x
-        out = self.parts[0](pieces[0])
-        for part, piece in zip(self.parts[1:], pieces[1:]):
-            out = out + part(piece)
-        return out

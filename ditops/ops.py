@@ -111,19 +111,28 @@ class Op:
         types = [str(argument.type) for argument in torch._C.parse_schema(self.name + self.schema).arguments[:-1]]
         self.scalars = operator.itemgetter(*[i for i, text in enumerate(types) if text not in ("Tensor", "Optional[Tensor]")])
         self._count = len(spec.outputs)
-        self._fp8_at = list(inspect.signature(spec.signature).parameters).index("fp8_dtype") if spec.quantized else None
+        names = list(inspect.signature(spec.signature).parameters)
+        self._fp8_at = names.index("fp8_dtype") if spec.quantized else None
+        self._prefix_at = names.index("prefix") if "prefix" in names else None  # quantize_fp8: y is [..., P + D]
 
     def outputs(self, x, *rest) -> tuple:
         """The new tensors a kernel fills: contiguous, like the first argument (none for an in-place
-        op); an op with an FP8 output gives its FP8 rows and their float32 scales [..., 1] first."""
+        op); an op with an FP8 output gives its FP8 rows (quantize_fp8 with a prefix: P + D wide) and
+        their float32 scales [..., 1] first."""
         if self._fp8_at is None:
             return tuple(_new(x) for _ in range(self._count))
         fp8_dtype = fp8_format(x, rest[self._fp8_at - 1])
+        prefix = rest[self._prefix_at - 1] if self._prefix_at is not None else None
+        width = x.shape[-1] if prefix is None else prefix.shape[-1] + x.shape[-1]
         scales = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
-        if x.shape[-1] == 0 and scales.numel():  # rows of no values: no kernel runs, the zero-row rule holds
+        if width == 0 and scales.numel():  # rows of no values: no kernel runs, the zero-row rule holds
             static_scale = rest[self._fp8_at]
             scales.fill_(static_scale.reshape(()) if static_scale is not None else 1e-12 / torch.finfo(fp8_dtype).max)
-        quantized = (_empty_like(x, dtype=fp8_dtype, memory_format=_contiguous), scales)
+        if prefix is None:
+            y = _empty_like(x, dtype=fp8_dtype, memory_format=_contiguous)
+        else:  # the rows of cat([prefix, act(x)], -1)
+            y = x.new_empty((*x.shape[:-1], width), dtype=fp8_dtype)
+        quantized = (y, scales)
         return quantized + tuple(_new(x) for _ in range(self._count - 2))
 
     def plan(self, arguments: tuple, backend: Optional[str]) -> Plan:

@@ -816,7 +816,9 @@ def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, posi
 
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: the same leading dims with Hk heads; q_weight,
     k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns); positions:
-    q's leading shape, or None for ``position_offset + token index``. Returns (q, k).
+    q's leading shape, or None for ``position_offset + token index``. Returns (q, k); under
+    torch.compile on a GPU, the graph's new tensors of their values: where q and k are slices
+    of a wider projection, reading those spares the graph a copy of the projection.
 
     >>> import torch, ditops
     >>> q, k = torch.randn(2, 32, 4, 128, dtype=torch.bfloat16)  # [T, H, Dh] each

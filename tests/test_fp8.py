@@ -11,7 +11,7 @@ import torch
 import ditops
 from ditops import fp8
 from ditops.dispatch import simulated_device
-from ditops.fp8 import Float8Linear, Float8PartsLinear, Float8Rows
+from ditops.fp8 import Float8Linear, Float8Rows
 
 E4M3 = torch.float8_e4m3fn
 
@@ -197,14 +197,15 @@ def test_float8_linear_quantises_a_tensor_itself_and_tracks_the_bf16_linear():
     assert 0 < error < 0.08  # two FP8 roundings of half a step at most (1/16 each)
 
 
-def test_float8_parts_linear_is_the_linear_of_the_concatenation():
+def test_float8_linear_of_a_concatenation_fed_by_a_prefix_quantisation():
+    """FLUX's single-block proj_out: [attention output, GELU(MLP)] quantised by one quantize_fp8,
+    never concatenated, gives the Linear of the concatenation."""
     linear = _linear(96, 32)
-    layer = Float8PartsLinear(linear, (32, 64), E4M3)
-    x = torch.randn(4, 96, dtype=torch.bfloat16)
-    parts = [Float8Rows(*ditops.quantize_fp8(piece, fp8_dtype=E4M3)) for piece in x.split((32, 64), dim=-1)]
-    assert torch.equal(layer(parts), layer(x))
-    expected = linear(x).float()
-    assert (layer(x).float() - expected).norm() / expected.norm() < 0.08
+    attention, hidden = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16)
+    rows = Float8Rows(*ditops.quantize_fp8(hidden, activation="gelu_tanh", prefix=attention, fp8_dtype=E4M3))
+    expected = linear(torch.cat([attention, torch.nn.functional.gelu(hidden, approximate="tanh")], dim=-1)).float()
+    error = (Float8Linear(linear, E4M3)(rows).float() - expected).norm() / expected.norm()
+    assert 0 < error < 0.08  # two FP8 roundings of half a step at most (1/16 each)
 
 
 def test_a_linear_whose_sizes_an_fp8_gemm_cannot_take_is_refused():
@@ -251,7 +252,7 @@ def test_apply_fp8_runs_every_linear_it_can_in_fp8_and_remove_restores_the_bf16_
     assert sorted(listed) == sorted(linears)  # every Linear, once
     for path, kind in listed.items():
         module = model.get_submodule(path)
-        assert kind.startswith("fp8") == isinstance(module, (Float8Linear, Float8PartsLinear)), (path, kind)
+        assert kind.startswith("fp8") == isinstance(module, Float8Linear), (path, kind)
         assert kind.startswith("fp8") or any(reason in kind for reason in BF16_REASONS), (path, kind)
     assert sum(kind.startswith("fp8") for kind in listed.values()) >= len(linears) // 2
     patched = run(model, inputs)

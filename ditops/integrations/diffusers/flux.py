@@ -14,8 +14,8 @@ With ``quantize="fp8"`` (quantize.py) the norms give FP8 rows (``norm_scale_shif
 ``residual_norm_scale_shift_fp8``) to the Linears they feed, now FP8 (q/k/v, the MLPs' up
 projections, the single blocks' ``proj_mlp``); each MLP's GELU and the quantisation of its
 hidden state are one ``quantize_fp8`` (quantize.py's FeedForward forward); a single block's
-``proj_out`` is one FP8 GEMM per part of its input (attention output, MLP activation), each
-with its own row scales. A block whose processor is not ditops', or one of whose fed Linears
+``proj_out`` is one FP8 GEMM over its input [attention output, GELU(MLP)], the two quantised
+together by one ``quantize_fp8`` (the attention output its ``prefix``). A block whose processor is not ditops', or one of whose fed Linears
 cannot be FP8, keeps bf16 norms. The other Linears (the attention outputs, the modulation)
 quantise their own input; quantize.replace_rest says which stay bf16.
 """
@@ -122,8 +122,9 @@ def _forward(function, fp8: bool):
 def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                               joint_attention_kwargs=None):
     """diffusers' FluxSingleTransformerBlock with FP8 GEMMs: the norm's FP8 rows feed the MLP's
-    up projection and q/k/v; the attention output and the MLP's GELU are quantised each with
-    their own row scales (two quantize_fp8), the two parts of proj_out's input."""
+    up projection and q/k/v; proj_out's input [attention output, GELU(MLP)] is quantised by one
+    quantize_fp8, one scale per row over both (as a Linear quantising its input would), never
+    concatenated in bf16."""
     if self.training or patching.hooked(self, ("act_mlp",)):
         return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                   joint_attention_kwargs)
@@ -134,9 +135,8 @@ def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, 
     mlp_hidden_states = self.proj_mlp(norm_hidden_states)
     attention = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
                           **(joint_attention_kwargs or {}))
-    parts = (Float8Rows(*ops.quantize_fp8(attention)), Float8Rows(*ops.quantize_fp8(mlp_hidden_states,
-                                                                                     activation="gelu_tanh")))
-    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(parts)
+    rows = Float8Rows(*ops.quantize_fp8(mlp_hidden_states, activation="gelu_tanh", prefix=attention))
+    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(rows)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
@@ -245,18 +245,16 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
 
 
 def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
-    """The Linears the block's norm feeds -> FP8 (q/k/v, proj_mlp), and proj_out one GEMM per
-    part of its input; True where the norm may give them FP8 rows."""
+    """The Linears the block's norm feeds -> FP8 (q/k/v, proj_mlp), and proj_out, fed FP8 rows
+    by the block's forward; True where the norm may give them FP8 rows."""
     if type(block.attn.processor) is not FluxQKNormRopeProcessor:
         report.skipped.append(f"{path}: its norm gives bf16 (the attention processor is not ditops')")
         return False
     if not (type(block.act_mlp) is torch.nn.GELU and block.act_mlp.approximate == "tanh"):
         report.skipped.append(f"{path}: its norm gives bf16 (act_mlp is not GELU(tanh))")
         return False
-    widths = (block.proj_out.in_features - block.proj_mlp.out_features, block.proj_mlp.out_features)
-    linears = quantize.fed(block.attn, _QKV, f"{path}.attn") + quantize.fed(block, ("proj_mlp",), path)
-    if not quantize.replace_fed(patches, report, linears + [(block, "proj_out", f"{path}.proj_out", widths)],
-                                fp8_dtype, path):
+    linears = quantize.fed(block.attn, _QKV, f"{path}.attn") + quantize.fed(block, ("proj_mlp", "proj_out"), path)
+    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
         return False
     quantize.join_projections(patches, report, block.attn, f"{path}.attn", {"to_qkv": _QKV})
     if patching.replace_forward(patches, report, block, path, _single_block_forward_fp8):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import ops
-from ...fp8 import Float8Linear, Float8PartsLinear, Float8Rows
+from ...fp8 import Float8Linear, Float8Rows
 from . import patching
 from .report import Report
 
@@ -41,17 +41,15 @@ class _LinearPatch:
         setattr(self.parent, self.name, self.original.to(device))
 
 
-def _replacement(linear, widths: tuple, fp8_dtype) -> tuple:
-    """(the FP8 module for ``linear``, None): a Float8Linear, or a Float8PartsLinear over
-    ``widths`` where its input is a concatenation quantised part by part; or (None, why it
-    stays bf16)."""
+def _replacement(linear, fp8_dtype) -> tuple:
+    """(the Float8Linear for ``linear``, None), or (None, why it stays bf16)."""
     if type(linear) is not torch.nn.Linear:
         return None, f"a {type(linear).__name__}, not a torch.nn.Linear"
     hook = patching.hook_on(linear)
     if hook is not None:
         return None, f"it has {hook}, which a replacement would drop"
     try:
-        return (Float8PartsLinear(linear, widths, fp8_dtype) if widths else Float8Linear(linear, fp8_dtype)), None
+        return Float8Linear(linear, fp8_dtype), None
     except ValueError as error:
         return None, str(error)
 
@@ -64,15 +62,14 @@ def _install(patches: list, report: Report, parent, name: str, path: str, replac
 
 def fed(parent, names: tuple, path: str) -> list:
     """The Linears ``parent.<name>`` as replace_fed takes them."""
-    return [(parent, name, f"{path}.{name}", ()) for name in names]
+    return [(parent, name, f"{path}.{name}") for name in names]
 
 
 def replace_fed(patches: list, report: Report, linears: list, fp8_dtype, owner: str) -> bool:
-    """The Linears an op would feed FP8 rows, as (parent, name, path, widths): all of them ->
+    """The Linears an op would feed FP8 rows, as (parent, name, path): all of them ->
     their FP8 modules, True; or, where one cannot be replaced, none, False, and the report
     says which and why (``owner``'s norms then give bf16, which replace_rest's Linears take)."""
-    built = [(parent, name, path, *_replacement(getattr(parent, name), widths, fp8_dtype))
-             for parent, name, path, widths in linears]
+    built = [(parent, name, path, *_replacement(getattr(parent, name), fp8_dtype)) for parent, name, path in linears]
     refused = [f"{path} ({why})" for _, _, path, _, why in built if why]
     if refused:
         report.skipped.append(f"{owner}: its norms give bf16, not FP8 rows: {'; '.join(refused)} stays bf16")
@@ -133,7 +130,7 @@ def replace_rest(model: torch.nn.Module, patches: list, report: Report, fp8_dtyp
         elif path in planned:  # the same model whether apply or enable_parallelism comes first
             report.linears.append((path, "bf16: named in the model's context-parallel plan (_cp_plan)"))
         else:
-            replacement, why = _replacement(module, (), fp8_dtype)
+            replacement, why = _replacement(module, fp8_dtype)
             parent_path, _, name = path.rpartition(".")
             if why:
                 report.linears.append((path, f"bf16: {why}"))
@@ -157,7 +154,7 @@ def _gelu_tanh_feed_forward(ff) -> bool:
 
 def _feed_forward_linears(ff, path: str) -> list:
     """A GELU-tanh FeedForward's up and down projections, as replace_fed takes them."""
-    return [(ff.net[0], "proj", f"{path}.net.0.proj", ()), (ff.net, "2", f"{path}.net.2", ())]
+    return [(ff.net[0], "proj", f"{path}.net.0.proj"), (ff.net, "2", f"{path}.net.2")]
 
 
 def _feed_forward_fp8(self, hidden_states, *args, **kwargs):
