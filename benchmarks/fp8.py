@@ -95,8 +95,8 @@ def measure(name: str, resolution, modes: list, blocks: int, rounds: int, ways: 
         with torch.no_grad():
             if "bf16" not in ways:
                 outputs["bf16", "eager"] = models._forward("eager", *steps["bf16"], blocks)()[0].float().clone()
+            torch._dynamo.reset()  # once per mode: a reset between ways would drop the compiled code of those before
             for way in ways:
-                torch._dynamo.reset()
                 step, state = steps[way]
                 forwards[way] = models._forward(mode, step, state, blocks)
                 first_call[way, mode] = _first_call_s(forwards[way], way, mode)
