@@ -228,37 +228,72 @@ def _select_arguments(op, x, index, modulation, weight, bias, eps):
     return shape
 
 
-def _check_norm_scale_shift_select(
-    x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
-) -> Optional[Features]:
-    op = "norm_scale_shift_select"
+def _norm_scale_shift_select_features(op, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
+                                       describe_call, extra: Optional[Callable] = None) -> Optional[Features]:
+    """The select op's checks and features; ``extra``: the FP8 form's further checks (as
+    _norm_scale_shift_features)."""
     validation.tensor(op, "x", x)
     modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
     shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
+    extra = extra() if extra else {}
     if describe_call and x.numel():
         return describe(
-            (x,), (*modulation.values(), weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm="layer",
-            modulation=("batch",) * 6,
+            (x,), (*modulation.values(), weight, bias, *extra.pop("params", ())), hidden_size=shape.hidden,
+            batch_size=shape.batch, norm="layer", modulation=("batch",) * 6, **extra,
+        )
+
+
+def _check_norm_scale_shift_select(
+    x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
+) -> Optional[Features]:
+    return _norm_scale_shift_select_features("norm_scale_shift_select", x, index, scale0, shift0, gate0, scale1, shift1,
+                                             gate1, weight, bias, eps, describe_call)
+
+
+def _check_norm_scale_shift_select_fp8(
+    x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, fp8_dtype, static_scale, describe_call=True
+) -> Optional[Features]:
+    op = "norm_scale_shift_select_fp8"
+    return _norm_scale_shift_select_features(op, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
+                                             describe_call, lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
+
+
+def _residual_norm_scale_shift_select_features(op, x, residual, residual_gate, index, scale0, shift0, gate0, scale1,
+                                               shift1, gate1, weight, bias, eps, describe_call,
+                                               extra: Optional[Callable] = None) -> Optional[Features]:
+    validation.activation_pair(op, "x", x, "residual", residual)
+    validation.tensor(op, "residual_gate", residual_gate, validation.ACTIVATION_DTYPES, x.device)
+    validation.same_shape(op, "residual_gate", residual_gate, "x", x)
+    modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
+    shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
+    extra = extra() if extra else {}
+    if describe_call and x.numel():
+        return describe(
+            (x, residual),
+            (residual_gate, *modulation.values(), weight, bias, *extra.pop("params", ())),
+            hidden_size=shape.hidden, batch_size=shape.batch,
+            norm="layer",
+            modulation=("token",) + ("batch",) * 6,
+            **extra,
         )
 
 
 def _check_residual_norm_scale_shift_select(
     x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, describe_call=True
 ) -> Optional[Features]:
-    op = "residual_norm_scale_shift_select"
-    validation.activation_pair(op, "x", x, "residual", residual)
-    validation.tensor(op, "residual_gate", residual_gate, validation.ACTIVATION_DTYPES, x.device)
-    validation.same_shape(op, "residual_gate", residual_gate, "x", x)
-    modulation = dict(scale0=scale0, shift0=shift0, gate0=gate0, scale1=scale1, shift1=shift1, gate1=gate1)
-    shape = _select_arguments(op, x, index, modulation, weight, bias, eps)
-    if describe_call and x.numel():
-        return describe(
-            (x, residual),
-            (residual_gate, *modulation.values(), weight, bias),
-            hidden_size=shape.hidden, batch_size=shape.batch,
-            norm="layer",
-            modulation=("token",) + ("batch",) * 6,
-        )
+    return _residual_norm_scale_shift_select_features("residual_norm_scale_shift_select", x, residual, residual_gate, index,
+                                                      scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
+                                                      describe_call)
+
+
+def _check_residual_norm_scale_shift_select_fp8(
+    x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, fp8_dtype,
+    static_scale, describe_call=True
+) -> Optional[Features]:
+    op = "residual_norm_scale_shift_select_fp8"
+    return _residual_norm_scale_shift_select_features(op, x, residual, residual_gate, index, scale0, shift0, gate0, scale1,
+                                                      shift1, gate1, weight, bias, eps, describe_call,
+                                                      lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
 
 
 def _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act):
@@ -278,24 +313,39 @@ def _check_add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, des
                         modulation=(form,))
 
 
-def _check_add_gate_norm_scale(
-    x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, describe_call=True
-) -> Optional[Features]:
-    op = "add_gate_norm_scale"
+def _add_gate_norm_scale_features(op, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act,
+                                   describe_call, extra: Optional[Callable] = None) -> Optional[Features]:
     shape, device, form = _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act)
     scale_form = validation.modulation(op, "scale", scale, shape, device)
     validation.affine(op, "weight2", weight2, shape.hidden, device)
     validation.affine(op, "bias2", bias2, shape.hidden, device)
     if norm == "rms" and bias2 is not None:
         validation.fail(op, "bias2", "is a tensor with norm='rms'", "None (RMSNorm has no bias)")
+    extra = extra() if extra else {}
     if describe_call and x.numel():
         return describe(
             (x, branch),
-            (gate, scale, weight, bias, weight2, bias2),
+            (gate, scale, weight, bias, weight2, bias2, *extra.pop("params", ())),
             hidden_size=shape.hidden, batch_size=shape.batch,
             norm=norm,
             modulation=(form, scale_form),
+            **extra,
         )
+
+
+def _check_add_gate_norm_scale(
+    x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, describe_call=True
+) -> Optional[Features]:
+    return _add_gate_norm_scale_features("add_gate_norm_scale", x, branch, gate, scale, weight, bias, weight2, bias2, norm,
+                                         eps, gate_act, describe_call)
+
+
+def _check_add_gate_norm_scale_fp8(
+    x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, fp8_dtype, static_scale, describe_call=True
+) -> Optional[Features]:
+    op = "add_gate_norm_scale_fp8"
+    return _add_gate_norm_scale_features(op, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act,
+                                         describe_call, lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
 
 
 def _check_qk_norm_rope(
@@ -444,6 +494,18 @@ def _residual_norm_scale_shift_fp8_inputs(spec: RowSpec, dtype, device, generato
     return dict(_residual_norm_scale_shift_inputs(spec, dtype, device, generator), **_fp8_options(spec, device))
 
 
+def _norm_scale_shift_select_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    return dict(_norm_scale_shift_select_inputs(spec, dtype, device, generator), **_fp8_options(spec, device))
+
+
+def _residual_norm_scale_shift_select_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    return dict(_residual_norm_scale_shift_select_inputs(spec, dtype, device, generator), **_fp8_options(spec, device))
+
+
+def _add_gate_norm_scale_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:
+    return dict(_add_gate_norm_scale_inputs(spec, dtype, device, generator), **_fp8_options(spec, device))
+
+
 def _quantize_fp8_inputs(spec: RowSpec, dtype, device, generator) -> dict:
     r = _Rows(spec, dtype, device, generator)
     x = r.x()
@@ -533,12 +595,28 @@ def _residual_norm_scale_shift_select_oracle(named: dict, results: tuple, dtype)
     return y, residual_out, gate
 
 
+def _residual_norm_scale_shift_select_fp8_oracle(named: dict, results: tuple, dtype) -> tuple:
+    residual_out = results[2]
+    selection = {key: named[key] for key in ("index", *_SETS, "weight", "bias", "eps", "fp8_dtype", "static_scale")}
+    y, y_scale, gate = reference.norm_scale_shift_select_fp8(_stored(residual_out, dtype), **selection)
+    return y, y_scale, residual_out, gate
+
+
 def _add_gate_norm_scale_oracle(named: dict, results: tuple, dtype) -> tuple:
     out = results[0]
     zero_shift = torch.zeros((), dtype=torch.float64, device=out.device)
     y = reference.norm_scale_shift(_stored(out, dtype), named["scale"], zero_shift, named["weight2"], named["bias2"],
                                    named["norm"], named["eps"])
     return out, y
+
+
+def _add_gate_norm_scale_fp8_oracle(named: dict, results: tuple, dtype) -> tuple:
+    out = results[2]
+    zero_shift = torch.zeros((), dtype=torch.float64, device=out.device)
+    arguments = {key: named[key] for key in ("norm", "eps", "fp8_dtype", "static_scale")}
+    y, y_scale = reference.norm_scale_shift_fp8(_stored(out, dtype), named["scale"], zero_shift, named["weight2"],
+                                                named["bias2"], **arguments)
+    return y, y_scale, out
 
 
 # Benchmark inputs: each op at the real shapes of docs/ops.md, plus a small latency case,
@@ -677,6 +755,22 @@ FP8_ROW_SPECS = {
                                           "wide-d8200", "per-frame", "strided-x", "misaligned", "two-d-x", "gate-none",
                                           "nan-inf", "empty")},
     "static-saturating": RowSpec(2, 6, 512, static_scale=2e-3),
+}
+
+# The select and sandwich-norm ops' FP8 forms: their bf16 cases of other widths and layouts,
+# plus NaN/Inf rows and a saturating static scale, as FP8_ROW_SPECS.
+FP8_SELECT_SPECS = {
+    **{name: SELECT_SPECS[name] for name in ("qwen-edit", "sets-of-two-dtypes", "odd-d1000", "d4104", "strided-x",
+                                             "misaligned", "empty")},
+    "nan-inf": RowSpec(2, 4, 96, special_values=True),
+    "static-saturating": RowSpec(2, 6, 512, static_scale=2e-3),
+}
+
+FP8_GATE_NORM_SPECS = {
+    **{name: GATE_NORM_SPECS[name] for name in ("z-image", "odd-d1000-layer", "wide-d8200-rms", "per-frame", "strided-x",
+                                                "misaligned", "empty")},
+    "nan-inf": RowSpec(2, 4, 96, norm="rms", special_values=True),
+    "static-saturating": RowSpec(2, 6, 512, norm="rms", static_scale=2e-3),
 }
 
 QUANTIZE_SPECS = {
@@ -899,6 +993,62 @@ def quantize_fp8(x: T, *, activation: Optional[str] = None, prefix: OT = None, f
     """
 
 
+def norm_scale_shift_select_fp8(x: T, index: T, scale0: T, shift0: T, gate0: T, scale1: T, shift1: T, gate1: T, *,
+                                weight: OT = None, bias: OT = None, eps: float = 1e-6,
+                                fp8_dtype: Optional[torch.dtype] = None, static_scale: OT = None) -> tuple:
+    """``norm_scale_shift_select`` with its y quantised as ``norm_scale_shift_fp8`` does.
+
+    Returns (y, y_scale, gate_out); gate_out is the selected gate in x's dtype, as the bf16 op gives it.
+
+    >>> import torch, ditops
+    >>> x = torch.randn(1, 8, 64, dtype=torch.bfloat16)
+    >>> index = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])  # the last 4 tokens take set 1
+    >>> scale0, shift0, gate0, scale1, shift1, gate1 = torch.randn(6, 1, 64)
+    >>> y, y_scale, gate = ditops.norm_scale_shift_select_fp8(
+    ...     x, index, scale0, shift0, gate0, scale1, shift1, gate1, fp8_dtype=torch.float8_e4m3fn)
+    >>> y.dtype, y_scale.shape, gate.dtype
+    (torch.float8_e4m3fn, torch.Size([1, 8, 1]), torch.bfloat16)
+    """
+
+
+def residual_norm_scale_shift_select_fp8(x: T, residual: T, residual_gate: T, index: T, scale0: T, shift0: T, gate0: T,
+                                         scale1: T, shift1: T, gate1: T, *, weight: OT = None, bias: OT = None,
+                                         eps: float = 1e-6, fp8_dtype: Optional[torch.dtype] = None,
+                                         static_scale: OT = None) -> tuple:
+    """``residual_norm_scale_shift_select`` with its y quantised as ``norm_scale_shift_fp8`` does.
+
+    Returns (y, y_scale, residual_out, gate_out); residual_out is stored in x.dtype and y normalises it as stored.
+
+    >>> import torch, ditops
+    >>> x, residual, residual_gate = torch.randn(3, 1, 8, 64)
+    >>> index = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    >>> scale0, shift0, gate0, scale1, shift1, gate1 = torch.randn(6, 1, 64)
+    >>> y, y_scale, residual, gate = ditops.residual_norm_scale_shift_select_fp8(
+    ...     x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1)
+    >>> y.dtype, y_scale.shape, residual.shape, gate.shape
+    (torch.float8_e4m3fn, torch.Size([1, 8, 1]), torch.Size([1, 8, 64]), torch.Size([1, 8, 64]))
+    """
+
+
+def add_gate_norm_scale_fp8(x: T, branch: T, gate: T, scale: T, *, weight: OT = None, bias: OT = None,
+                            weight2: OT = None, bias2: OT = None, norm: str = "rms", eps: float = 1e-5,
+                            gate_act: Optional[str] = None, fp8_dtype: Optional[torch.dtype] = None,
+                            static_scale: OT = None) -> tuple:
+    """``add_gate_norm_scale`` with its y (the next GEMM's input) quantised as ``norm_scale_shift_fp8`` does.
+
+    Returns (y, y_scale, out), FP8 rows first as the other FP8 ops give them; out is stored in
+    x.dtype and y normalises it as stored.
+
+    >>> import torch, ditops
+    >>> x, branch = torch.randn(2, 2, 16, 64, dtype=torch.bfloat16)
+    >>> gate, scale = torch.randn(2, 2, 64)
+    >>> y, y_scale, out = ditops.add_gate_norm_scale_fp8(x, branch, gate, scale, weight=torch.ones(64),
+    ...                                                  weight2=torch.ones(64), gate_act="tanh")
+    >>> y.dtype, y_scale.shape, out.dtype
+    (torch.float8_e4m3fn, torch.Size([2, 16, 1]), torch.bfloat16)
+    """
+
+
 _ROW_CASES = {name: inputs for name, inputs in ROW_SPECS.items() if inputs.gate is not None}  # gate=None: residual op only
 _NORMS = dict(default_shape=(1, 4096, 3072), typical=_typical_rows("layer"))
 _SELECTS = dict(conformance=SELECT_SPECS, bench=_SELECT_BENCH, default_shape=(1, 8192, 3072), typical=_typical_rows("layer"))
@@ -908,6 +1058,8 @@ _GATE_NORMS = dict(conformance=GATE_NORM_SPECS, bench=_GATE_NORM_BENCH, default_
 _FLUX_ROWS = BenchShape("FLUX.1-dev 1024px", f"B1 S{_JOINT} D3072", _rows(1, _JOINT, 3072))
 _FP8_NORM_BENCH = (_FLUX_ROWS,) + _NORM_BENCH + (_LATENCY_ROWS._replace(quick=True),)
 _FP8 = dict(quantized=True, conformance=FP8_ROW_SPECS, bench=_FP8_NORM_BENCH, **_NORMS)
+_FP8_SELECTS = dict(_SELECTS, quantized=True, conformance=FP8_SELECT_SPECS)
+_FP8_GATE_NORMS = dict(_GATE_NORMS, quantized=True, conformance=FP8_GATE_NORM_SPECS)
 _QUANTIZE_BENCH = (
     BenchShape("FLUX.1-dev 1024px MLP (GELU)", f"B1 S{_JOINT} D12288",
                dataclasses.replace(_rows(1, _JOINT, 12288), activation="gelu_tanh"), quick=True),
@@ -945,10 +1097,19 @@ SPECS = {
         OpSpec(residual_norm_scale_shift_select, _check_residual_norm_scale_shift_select,
                reference.residual_norm_scale_shift_select, _residual_norm_scale_shift_select_inputs,
                outputs=("y", "residual_out", "gate_out"), oracle=_residual_norm_scale_shift_select_oracle, **_SELECTS),
+        OpSpec(norm_scale_shift_select_fp8, _check_norm_scale_shift_select_fp8, reference.norm_scale_shift_select_fp8,
+               _norm_scale_shift_select_fp8_inputs, outputs=("y", "y_scale", "gate_out"), **_FP8_SELECTS),
+        OpSpec(residual_norm_scale_shift_select_fp8, _check_residual_norm_scale_shift_select_fp8,
+               reference.residual_norm_scale_shift_select_fp8, _residual_norm_scale_shift_select_fp8_inputs,
+               outputs=("y", "y_scale", "residual_out", "gate_out"), oracle=_residual_norm_scale_shift_select_fp8_oracle,
+               **_FP8_SELECTS),
         OpSpec(add_gate_norm, _check_add_gate_norm, reference.add_gate_norm, _add_gate_norm_inputs, outputs=("out",),
                **_GATE_NORMS),
         OpSpec(add_gate_norm_scale, _check_add_gate_norm_scale, reference.add_gate_norm_scale, _add_gate_norm_scale_inputs,
                outputs=("out", "y"), oracle=_add_gate_norm_scale_oracle, **_GATE_NORMS),
+        OpSpec(add_gate_norm_scale_fp8, _check_add_gate_norm_scale_fp8, reference.add_gate_norm_scale_fp8,
+               _add_gate_norm_scale_fp8_inputs, outputs=("y", "y_scale", "out"), oracle=_add_gate_norm_scale_fp8_oracle,
+               **_FP8_GATE_NORMS),
         OpSpec(qk_norm_rope_, _check_qk_norm_rope, reference.qk_norm_rope_, _qk_norm_rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
                check_values=_in_place_checks("qk_norm_rope_", ("q_weight", "k_weight", "cos_sin_cache", "positions")),
                conformance=HEAD_SPECS, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128), typical=_typical_heads),

@@ -22,6 +22,9 @@ INSTANCES = compiled.all_instances()
 SMOKE = {("sm_90", instance) for instance in (
     compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True),  # FLUX's norm, with an affine
     compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True, torch.float8_e4m3fn),  # its FP8 form
+    # Qwen-Image-Edit's select norm and Z-Image's sandwich norm (float32 modulation), FP8 forms
+    compiled.row_instance("selected_modulation_norm", torch.bfloat16, torch.bfloat16, 3072, True, torch.float8_e4m3fn),
+    compiled.row_instance("gated_add_norm", torch.bfloat16, torch.float32, 3840, True, torch.float8_e4m3fn),
     compiled.quantize_instance(torch.bfloat16, torch.float8_e4m3fn, True, 12288),  # FLUX's MLP activation
     compiled.quantize_instance(torch.bfloat16, torch.float8_e4m3fn, True, 3072 + 12288, True),  # FLUX's single block
 )}
@@ -63,8 +66,8 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
     for dtype, fp8_dtype, hidden in itertools.product(dtypes, compiled.FP8_TYPES, range(8, 16384 + 1, 8)):
         assert {compiled.quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
                 for gelu, prefix in itertools.product((False, True), (False, True))} <= tested
-        assert {compiled.row_instance("modulated_norm", dtype, param_dtype, hidden, affine, fp8_dtype)
-                for param_dtype, affine in itertools.product(dtypes, (False, True))} <= tested
+        assert {compiled.row_instance(kernel, dtype, param_dtype, hidden, affine, fp8_dtype)
+                for kernel, param_dtype, affine in itertools.product(compiled.ROW_KERNELS, dtypes, (False, True))} <= tested
 
 
 def test_min_blocks_come_from_the_launch_table_for_16_bit_rows_only():

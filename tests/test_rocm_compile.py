@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditops.backends.compiled import FP8_TYPES, SOURCES, all_instances, quantize_instance, row_instance
+from ditops.backends.compiled import FP8_TYPES, ROW_KERNELS, SOURCES, all_instances, quantize_instance, row_instance
 
 EM_AMDGPU = 224
 MACHINES = {"gfx90a": 0x3F, "gfx942": 0x4C}  # EF_AMDGPU_MACH in the ELF flags
@@ -74,12 +74,10 @@ def test_hiprtc_compiles_an_instance_for_gfx90a():
 def test_hiprtc_compiles_the_fp8_kernels_for_gfx90a():
     """The default run's FP8 smoke compile: each FP8 kernel in each format (fp8.cuh's software
     conversion, the only one on AMD), with and without GELU, an affine and a prefix."""
-    instances = {
-        "modulated_norm.cu": [row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, affine, fp8_dtype)
-                              for affine, fp8_dtype in zip((False, True), FP8_TYPES)],
-        "row_quantize.cu": [quantize_instance(torch.float16, fp8_dtype, gelu, 12288 + 3072 * prefix, prefix)
-                            for gelu, fp8_dtype, prefix in zip((True, False), FP8_TYPES, (True, False))],
-    }
+    instances = {f"{kernel}.cu": [row_instance(kernel, torch.bfloat16, torch.bfloat16, 3072, affine, fp8_dtype)
+                                  for affine, fp8_dtype in zip((False, True), FP8_TYPES)] for kernel in ROW_KERNELS}
+    instances["row_quantize.cu"] = [quantize_instance(torch.float16, fp8_dtype, gelu, 12288 + 3072 * prefix, prefix)
+                                    for gelu, fp8_dtype, prefix in zip((True, False), FP8_TYPES, (True, False))]
     for source, chosen in instances.items():
         compiled = hiprtc_module().compile_instances(chosen, "gfx90a")
         check_code_object(compiled.code, "gfx90a", compiled.lowered_names.values(), len(chosen))

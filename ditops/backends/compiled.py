@@ -32,9 +32,6 @@ LAUNCH_FILE = Path(__file__).resolve().parents[1] / "configs" / "compiled_launch
 # Activation dtypes as template arguments; parameter dtypes as the run-time codes of memory.cuh.
 C_TYPES = {torch.float32: "float", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 FP8_TYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e4m3fnuz: "float8_e4m3fnuz"}  # fp8.cuh
-# Row kernels whose last template argument is y's type (x's, or an FP8 format), always spelled
-# out: hiprtc finds an instance by its arguments' spelling, and a default argument has none.
-Y_TYPED_KERNELS = ("modulated_norm",)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CHUNK = 8  # elements per thread access (kChunk in memory.cuh)
 MIN_ROW_BLOCK = 128
@@ -95,12 +92,13 @@ def row_instance(kernel: str, dtype: torch.dtype, param_dtype: torch.dtype, hidd
     bias. That is a template flag, not a run-time test like the kernels' other options,
     because registers are allocated for a kernel's every path: preloaded weight and bias
     (row_tile.cuh) in an instance that never uses them cost registers, and so occupancy, on
-    the calls without an affine (FLUX.2, HunyuanVideo). fp8_dtype: y in that FP8 format
-    (modulated_norm only), its min_blocks the launch table's ``<kernel>_fp8``."""
+    the calls without an affine (FLUX.2, HunyuanVideo). fp8_dtype: y in that FP8 format, its
+    min_blocks the launch table's ``<kernel>_fp8``. The last template argument is y's type
+    (x's, or the FP8 format), always spelled out: hiprtc finds an instance by its arguments'
+    spelling, and a default argument has none."""
     threads, chunks, block, min_blocks = _row_layout(kernel + ("_fp8" if fp8_dtype else ""), dtype, hidden)
-    arguments = (C_TYPES[dtype], C_TYPES[param_dtype], "true" if affine else "false", threads, chunks, block, min_blocks)
-    if kernel in Y_TYPED_KERNELS:
-        arguments += (FP8_TYPES[fp8_dtype] if fp8_dtype else C_TYPES[dtype],)
+    arguments = (C_TYPES[dtype], C_TYPES[param_dtype], "true" if affine else "false", threads, chunks, block, min_blocks,
+                 FP8_TYPES[fp8_dtype] if fp8_dtype else C_TYPES[dtype])
     return Instance(f"{kernel}.cu", kernel, arguments, block, threads)
 
 
@@ -156,7 +154,7 @@ def all_instances() -> list:
     for dtype in C_TYPES:
         for param_dtype, kernel, hidden, affine in itertools.product(C_TYPES, ROW_KERNELS, rows, (False, True)):
             instances.append(row_instance(kernel, dtype, param_dtype, hidden, affine))
-        for kernel, param_dtype, hidden, affine, fp8_dtype in itertools.product(Y_TYPED_KERNELS, C_TYPES, rows,
+        for kernel, param_dtype, hidden, affine, fp8_dtype in itertools.product(ROW_KERNELS, C_TYPES, rows,
                                                                                 (False, True), FP8_TYPES):
             instances.append(row_instance(kernel, dtype, param_dtype, hidden, affine, fp8_dtype))
         instances += [quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
@@ -365,12 +363,13 @@ class CompiledOps:
             x.dtype, y.dtype, activation == "gelu_tanh", hidden, prefix is not None), prefix_width)
 
     def _selected_modulation_norm(self, x, residual, residual_gate, index, modulations, weight, bias, eps,
-                                  y, residual_out, gate_out):
+                                  y, residual_out, gate_out, y_scale=None, static_scale=None):
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(residual), modulation(residual_gate, tokens), _integers(index),
-                     *(modulation(t, tokens) for t in modulations), weight, bias, y, residual_out, gate_out, float(eps)]
+                     *(modulation(t, tokens) for t in modulations), weight, bias, y, residual_out, gate_out, y_scale,
+                     static_scale, float(eps)]
         return self._rows_launch("selected_modulation_norm", x, (residual_gate, *modulations, weight, bias), arguments,
-                                 (weight, bias))
+                                 (weight, bias), y.dtype if y_scale is not None else None)
 
     def norm_scale_shift_select_launch(self, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
                                        y, gate_out):
@@ -383,12 +382,27 @@ class CompiledOps:
         return self._selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps,
                                               y, residual_out, gate_out)
 
-    def _gated_add_norm(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
+    def norm_scale_shift_select_fp8_launch(self, x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps,
+                                           fp8_dtype, static_scale, y, y_scale, gate_out):
+        modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
+        return self._selected_modulation_norm(x, None, None, index, modulations, weight, bias, eps, y, None, gate_out,
+                                              y_scale, static_scale)
+
+    def residual_norm_scale_shift_select_fp8_launch(self, x, residual, residual_gate, index, scale0, shift0, gate0, scale1,
+                                                    shift1, gate1, weight, bias, eps, fp8_dtype, static_scale, y, y_scale,
+                                                    residual_out, gate_out):
+        modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
+        return self._selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps,
+                                              y, residual_out, gate_out, y_scale, static_scale)
+
+    def _gated_add_norm(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y,
+                        y_scale=None, static_scale=None):
         tokens = rows_of(x).tokens
         arguments = [_rows(x), _rows(branch), modulation(gate, tokens), modulation(scale, tokens),
-                     weight, bias, weight2, bias2, out, y, float(eps), int(norm == "rms"), int(gate_act == "tanh")]
+                     weight, bias, weight2, bias2, out, y, y_scale, static_scale, float(eps), int(norm == "rms"),
+                     int(gate_act == "tanh")]
         return self._rows_launch("gated_add_norm", x, (gate, scale, weight, bias, weight2, bias2), arguments,
-                                 (weight, bias, weight2, bias2))
+                                 (weight, bias, weight2, bias2), y.dtype if y_scale is not None else None)
 
     def add_gate_norm_launch(self, x, branch, gate, weight, bias, norm, eps, gate_act, out):
         return self._gated_add_norm(x, branch, gate, None, weight, bias, None, None, norm, eps, gate_act, out, None)
@@ -396,6 +410,11 @@ class CompiledOps:
     def add_gate_norm_scale_launch(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act,
                                    out, y):
         return self._gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
+
+    def add_gate_norm_scale_fp8_launch(self, x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act,
+                                       fp8_dtype, static_scale, y, y_scale, out):
+        return self._gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y,
+                                    y_scale, static_scale)
 
     def _rotary(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm):
         q_tokens = tokens_of(q)

@@ -135,6 +135,25 @@ def quantize_fp8(x, activation=None, prefix=None, fp8_dtype=None, static_scale=N
     return _quantize(torch.cat([prefix, v], -1) if prefix is not None else v, fp8_dtype, static_scale)
 
 
+def norm_scale_shift_select_fp8(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight=None, bias=None, eps=1e-6,
+                                fp8_dtype=None, static_scale=None):
+    y, gate_out = norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps)
+    return (*_quantize(y, fp8_dtype, static_scale), gate_out)
+
+
+def residual_norm_scale_shift_select_fp8(x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1,
+                                         weight=None, bias=None, eps=1e-6, fp8_dtype=None, static_scale=None):
+    y, residual_out, gate_out = residual_norm_scale_shift_select(x, residual, residual_gate, index, scale0, shift0, gate0,
+                                                                 scale1, shift1, gate1, weight, bias, eps)
+    return (*_quantize(y, fp8_dtype, static_scale), residual_out, gate_out)
+
+
+def add_gate_norm_scale_fp8(x, branch, gate, scale, weight=None, bias=None, weight2=None, bias2=None, norm="rms", eps=1e-5,
+                            gate_act=None, fp8_dtype=None, static_scale=None):
+    out, y = add_gate_norm_scale(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act)
+    return (*_quantize(y, fp8_dtype, static_scale), out)
+
+
 EAGER = {
     function.__name__: function
     for function in (
@@ -145,8 +164,11 @@ EAGER = {
         quantize_fp8,
         norm_scale_shift_select,
         residual_norm_scale_shift_select,
+        norm_scale_shift_select_fp8,
+        residual_norm_scale_shift_select_fp8,
         add_gate_norm,
         add_gate_norm_scale,
+        add_gate_norm_scale_fp8,
         qk_norm_rope_,
         rope_,
     )

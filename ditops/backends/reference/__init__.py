@@ -199,12 +199,16 @@ def norm_scale_shift_select(
     y = layernorm(x) * (1 + scale_sel) + shift_sel; gate_out = gate_sel as [B, S, D].
     Returns (y, gate_out), both in x's dtype, gate_out shaped like x.
     """
+    result, gate = _selected_modulation(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps)
+    return _store(result, y, x), _store(gate, gate_out, x)
+
+
+def _selected_modulation(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps) -> tuple:
+    """norm_scale_shift_select's y and gate_out before rounding: the compute dtype, x's shape."""
     compute = _compute_dtype(x)
-    v = _rows3(x).to(compute)
-    n = _normalize(v, weight, bias, "layer", eps)
+    n = _normalize(_rows3(x).to(compute), weight, bias, "layer", eps)
     result = n * (1 + _select(index, scale0, scale1, compute)) + _select(index, shift0, shift1, compute)
-    gate = _select(index, gate0, gate1, compute)
-    return _store(result.reshape(x.shape), y, x), _store(gate.reshape(x.shape), gate_out, x)
+    return result.reshape(x.shape), _select(index, gate0, gate1, compute).reshape(x.shape)
 
 
 def residual_norm_scale_shift_select(
@@ -235,6 +239,27 @@ def residual_norm_scale_shift_select(
         summed, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, y=y, gate_out=gate_out
     )
     return y, summed, gate_out
+
+
+def norm_scale_shift_select_fp8(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight=None, bias=None, eps=1e-6,
+                                fp8_dtype=None, static_scale=None, y=None, y_scale=None, gate_out=None):
+    """norm_scale_shift_select's y as FP8 rows and their float32 scales (_quantize_rows), from
+    the float32 values before any rounding. Returns (y, y_scale, gate_out)."""
+    result, gate = _selected_modulation(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps)
+    return (*_quantize_rows(result, fp8_dtype, static_scale, y, y_scale), _store(gate, gate_out, x))
+
+
+def residual_norm_scale_shift_select_fp8(x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1,
+                                         weight=None, bias=None, eps=1e-6, fp8_dtype=None, static_scale=None, y=None,
+                                         y_scale=None, residual_out=None, gate_out=None):
+    """residual_norm_scale_shift_select with y as FP8 rows and their scales. Returns (y, y_scale,
+    residual_out, gate_out)."""
+    compute = _compute_dtype(x)
+    summed = _store(_gated_sum(residual, residual_gate, x.to(compute), compute), residual_out, x)
+    quantized, row_scale, gate_out = norm_scale_shift_select_fp8(
+        summed, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, fp8_dtype, static_scale, y, y_scale,
+        gate_out)
+    return quantized, row_scale, summed, gate_out
 
 
 def _activate(gate: Tensor, gate_act: Optional[str]) -> Tensor:
@@ -271,10 +296,23 @@ def add_gate_norm_scale(
 
     norm2 uses weight2/bias2 and reads out as stored. Returns (out, y).
     """
-    compute = _compute_dtype(x)
+    summed, result = _gated_norm_scale(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out)
+    return summed, _store(result, y, x)
+
+
+def _gated_norm_scale(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out) -> tuple:
+    """add_gate_norm_scale's out (stored) and its y before rounding (the compute dtype)."""
     summed = add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, out=out)
-    n = _normalize(summed.to(compute), weight2, bias2, norm, eps)
-    return summed, _store(_modulate(n, scale, None, x), y, x)
+    n = _normalize(summed.to(_compute_dtype(x)), weight2, bias2, norm, eps)
+    return summed, _modulate(n, scale, None, x)
+
+
+def add_gate_norm_scale_fp8(x, branch, gate, scale, weight=None, bias=None, weight2=None, bias2=None, norm="rms", eps=1e-5,
+                            gate_act=None, fp8_dtype=None, static_scale=None, y=None, y_scale=None, out=None):
+    """add_gate_norm_scale with y as FP8 rows and their scales, FP8 first as the other FP8 ops
+    give them. Returns (y, y_scale, out)."""
+    summed, result = _gated_norm_scale(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out)
+    return (*_quantize_rows(result, fp8_dtype, static_scale, y, y_scale), summed)
 
 
 def _rope_angles(q: Tensor, cos_sin_cache: Tensor, positions: Optional[Tensor], position_offset: int, dtype):

@@ -99,7 +99,8 @@ def quantize_fp8_launch(x, activation, prefix, fp8_dtype, static_scale, y, y_sca
     ))
 
 
-def _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out):
+def _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out,
+                              y_scale=None, static_scale=None):
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
     gate_rows = rows_of(residual_gate) if residual_gate is not None else shape
@@ -112,9 +113,10 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
         residual_gate, gate_rows.batch_stride, gate_rows.token_stride,
         index, index.stride(0), index.stride(1),
         *per_batch,
-        weight, bias, y, residual_out, gate_out,
+        weight, bias, y, residual_out, gate_out, y_scale, static_scale,
         shape.tokens, shape.hidden, eps,
     ), dict(
+        QUANT=y_scale is not None, HAS_STATIC_SCALE=static_scale is not None, FP8_MAX=_fp8_max(y_scale, y),
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
         EARLY_LOADS=launch.early_loads, num_warps=launch.num_warps,
@@ -133,7 +135,24 @@ def residual_norm_scale_shift_select_launch(
     return _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out, gate_out)
 
 
-def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
+def norm_scale_shift_select_fp8_launch(x, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, fp8_dtype,
+                                       static_scale, y, y_scale, gate_out):
+    modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
+    return _selected_modulation_norm(x, None, None, index, modulations, weight, bias, eps, y, None, gate_out, y_scale,
+                                     static_scale)
+
+
+def residual_norm_scale_shift_select_fp8_launch(
+    x, residual, residual_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, weight, bias, eps, fp8_dtype,
+    static_scale, y, y_scale, residual_out, gate_out
+):
+    modulations = (scale0, shift0, gate0, scale1, shift1, gate1)
+    return _selected_modulation_norm(x, residual, residual_gate, index, modulations, weight, bias, eps, y, residual_out,
+                                     gate_out, y_scale, static_scale)
+
+
+def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y, y_scale=None,
+                    static_scale=None):
     shape = rows_of(x)
     branch_rows = rows_of(branch)
     launch = row_launch("gated_add_norm", shape.batch * shape.tokens, shape.hidden, settings_of(x))
@@ -143,9 +162,10 @@ def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, 
         x, shape.batch_stride, shape.token_stride,
         branch, branch_rows.batch_stride, branch_rows.token_stride,
         *modulations[0], *modulations[1],
-        weight, bias, weight2, bias2, out, y,
+        weight, bias, weight2, bias2, out, y, y_scale, static_scale,
         shape.tokens, shape.hidden, eps,
     ), dict(
+        QUANT=y_scale is not None, HAS_STATIC_SCALE=static_scale is not None, FP8_MAX=_fp8_max(y_scale, y),
         RMS=norm == "rms", TANH_GATE=gate_act == "tanh", HAS_SCALE=scale is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_WEIGHT2=weight2 is not None, HAS_BIAS2=bias2 is not None,
@@ -160,6 +180,12 @@ def add_gate_norm_launch(x, branch, gate, weight, bias, norm, eps, gate_act, out
 
 def add_gate_norm_scale_launch(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y):
     return _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y)
+
+
+def add_gate_norm_scale_fp8_launch(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, fp8_dtype,
+                                   static_scale, y, y_scale, out):
+    return _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y, y_scale,
+                           static_scale)
 
 
 def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm, q_out, k_out):
@@ -226,3 +252,6 @@ rope_ = _kernel(rope__launch)
 norm_scale_shift_fp8 = _kernel(norm_scale_shift_fp8_launch)
 residual_norm_scale_shift_fp8 = _kernel(residual_norm_scale_shift_fp8_launch)
 quantize_fp8 = _kernel(quantize_fp8_launch)
+norm_scale_shift_select_fp8 = _kernel(norm_scale_shift_select_fp8_launch)
+residual_norm_scale_shift_select_fp8 = _kernel(residual_norm_scale_shift_select_fp8_launch)
+add_gate_norm_scale_fp8 = _kernel(add_gate_norm_scale_fp8_launch)

@@ -1,11 +1,12 @@
 """out = x + act(gate) * norm(branch), stored; optionally y = norm2(out) * (1 + scale) on out as
-stored (op 4, Z-Image's sandwich norm). act is identity or tanh. Rows are held as a head and a
-tail tile (row_math.py); with EARLY_LOADS every load of both tiles comes before the first store."""
+stored (op 4, Z-Image's sandwich norm), with QUANT as FP8 rows and their scales (its _fp8 form).
+act is identity or tanh. Rows are held as a head and a tail tile (row_math.py); with EARLY_LOADS
+every load of both tiles comes before the first store."""
 
 import triton
 import triton.language as tl
 
-from .row_math import columns, fold_affine, load_modulation, load_rows, normalize, row_tile, store_rows
+from .row_math import columns, fold_affine, load_modulation, load_rows, normalize, row_tile, store_quantized, store_rows
 
 
 @triton.jit
@@ -61,8 +62,9 @@ def gated_add_norm_kernel(
     branch, branch_batch_stride, branch_token_stride,
     gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE: tl.constexpr,
     scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE: tl.constexpr,
-    weight, bias, weight2, bias2, out, y,
+    weight, bias, weight2, bias2, out, y, y_scale, static_scale,
     tokens, hidden, eps,
+    QUANT: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr, FP8_MAX: tl.constexpr,
     RMS: tl.constexpr, TANH_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr,
     BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
@@ -108,9 +110,14 @@ def gated_add_norm_kernel(
             if not (EARLY_LOADS or HOIST):
                 m2, a2 = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size, SCALE_DIM_STRIDE,
                                   weight2, bias2, batch, token, head, head_mask, HAS_WEIGHT2, HAS_BIAS2)
-            store_rows(y, row, hidden, o * m2 + a2, head, head_mask)
+            if not QUANT:
+                store_rows(y, row, hidden, o * m2 + a2, head, head_mask)
             if not (EARLY_LOADS or HOIST):
                 m2_tail, a2_tail = _y_terms(scale, scale_batch_stride, scale_group_stride, scale_group_size,
                                             SCALE_DIM_STRIDE, weight2, bias2, batch, token, tail, tail_mask,
                                             HAS_WEIGHT2, HAS_BIAS2)
-            store_rows(y, row, hidden, o_tail * m2_tail + a2_tail, tail, tail_mask)
+            if QUANT:  # the row's amax needs both tiles before either is stored
+                store_quantized(y, y_scale, static_scale, row, hidden, o * m2 + a2, o_tail * m2_tail + a2_tail, head,
+                                head_mask, tail, tail_mask, FP8_MAX, HAS_STATIC_SCALE)
+            else:
+                store_rows(y, row, hidden, o_tail * m2_tail + a2_tail, tail, tail_mask)

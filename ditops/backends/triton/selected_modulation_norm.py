@@ -1,16 +1,17 @@
 """LayerNorm with a per-token choice between two [B, D] modulation sets (op 3, Qwen-Image-Edit):
 set 1 where index[b, s] != 0, else set 0; the chosen gate is written out per token. With a
 residual, residual_out = residual + residual_gate * x is stored first and normalised as stored.
-Rows are held as a head and a tail tile (row_math.py); with EARLY_LOADS every load of both
-tiles comes before the first store. A row loads only its chosen set's modulation (_choose):
-loading both sets and choosing the values read 72 KB of float32 vectors per row of D = 3072
-from the caches, against 18 KB of memory traffic, and made the kernel bound by cache reads;
-choosing the pointer first halves those reads and gives the same bits."""
+With QUANT, y as FP8 rows and their scales (the _fp8 forms). Rows are held as a head and a tail
+tile (row_math.py); with EARLY_LOADS every load of both tiles comes before the first store. A
+row loads only its chosen set's modulation (_choose): loading both sets and choosing the values
+read 72 KB of float32 vectors per row of D = 3072 from the caches, against 18 KB of memory
+traffic, and made the kernel bound by cache reads; choosing the pointer first halves those
+reads and gives the same bits."""
 
 import triton
 import triton.language as tl
 
-from .row_math import fold_affine, load_rows, normalize, row_tile, store_rows
+from .row_math import fold_affine, load_rows, normalize, row_tile, store_quantized, store_rows
 
 
 @triton.jit
@@ -54,8 +55,9 @@ def selected_modulation_norm_kernel(
     index, index_batch_stride, index_token_stride,
     scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
     scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
-    weight, bias, y, residual_out, gate_out,
+    weight, bias, y, residual_out, gate_out, y_scale, static_scale,
     tokens, hidden, eps,
+    QUANT: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr, FP8_MAX: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
 ):
@@ -98,12 +100,18 @@ def selected_modulation_norm_kernel(
             weight, bias, scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
             scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
             selected, batch, head, head_mask, HAS_WEIGHT, HAS_BIAS)
-    store_rows(y, row, hidden, v * m + a, head, head_mask)
+    out = v * m + a
+    if not QUANT:
+        store_rows(y, row, hidden, out, head, head_mask)
     store_rows(gate_out, row, hidden, chosen_gate, head, head_mask)
     if not EARLY_LOADS:
         m_tail, a_tail, chosen_gate_tail = _terms(
             weight, bias, scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
             scale1, scale1_batch_stride, shift1, shift1_batch_stride, gate1, gate1_batch_stride,
             selected, batch, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
-    store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)
+    if QUANT:  # the row's amax needs both tiles before either is stored
+        store_quantized(y, y_scale, static_scale, row, hidden, out, v_tail * m_tail + a_tail, head, head_mask, tail,
+                        tail_mask, FP8_MAX, HAS_STATIC_SCALE)
+    else:
+        store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)
     store_rows(gate_out, row, hidden, chosen_gate_tail, tail, tail_mask)
