@@ -357,6 +357,9 @@ rope_ = PUBLIC["rope_"]
 norm_scale_shift_fp8 = PUBLIC["norm_scale_shift_fp8"]
 residual_norm_scale_shift_fp8 = PUBLIC["residual_norm_scale_shift_fp8"]
 quantize_fp8 = PUBLIC["quantize_fp8"]
+norm_scale_shift_select_fp8 = PUBLIC["norm_scale_shift_select_fp8"]
+residual_norm_scale_shift_select_fp8 = PUBLIC["residual_norm_scale_shift_select_fp8"]
+add_gate_norm_scale_fp8 = PUBLIC["add_gate_norm_scale_fp8"]
 
 
 def ordered_arguments(op: str, *args, **kwargs) -> tuple:
