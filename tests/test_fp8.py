@@ -235,9 +235,9 @@ diffusers = pytest.importorskip("diffusers")
 from ditops.integrations import diffusers as integration  # noqa: E402
 from test_diffusers_integration import recorded_calls, run, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image  # noqa: E402
 
-FP8_OPS = ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8")
+FP8_OPS = ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "add_gate_norm_scale_fp8", "quantize_fp8")
 BF16_REASONS = ("wanted both multiples of 16", "an embedder", "context-parallel plan")
-TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": tiny_z_image}
+TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3)}
 
 
 def _state(model) -> dict:
@@ -387,6 +387,19 @@ def test_wan_norms_feed_self_attention_and_ffn_fp8_rows(monkeypatch):
     assert ("blocks.0.ffn", "quantize_fp8 (GELU)") in report.replaced
 
 
+def test_z_image_norms_feed_attention_and_ffn_fp8_rows(monkeypatch):
+    model, inputs, _ = TINY["z-image"](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    expected_blocks = [path for path, op in report.replaced if op == "norm_scale_shift_fp8"]
+    assert expected_blocks and len(expected_blocks) == sum(op == "add_gate_norm_scale_fp8" for _, op in report.replaced)
+    run(model, inputs)
+    assert calls.count("norm_scale_shift_fp8") == calls.count("add_gate_norm_scale_fp8") == len(expected_blocks)
+    fed = [path for path, kind in report.linears if kind.startswith("fp8") and "own input" not in kind]
+    assert "layers.0.attention.to_q" in fed and "layers.0.feed_forward.w3" in fed
+    assert "layers.0.feed_forward.w2" not in fed  # its input is the SiLU gating, no op's output
+
+
 def test_a_processor_that_defers_to_diffusers_gets_a_tensor_from_fp8_rows():
     """Wan's ditops processor hands calls it does not cover (here: a rotary table per batch
     item) to diffusers' processor, which takes a tensor: FP8 rows are dequantised for it."""
@@ -419,6 +432,7 @@ HOOKED_FED_LINEAR = {  # a Linear that a norm would feed FP8 rows, in the first 
     "flux": ("transformer_blocks.0.attn.to_q", "transformer_blocks.0"),
     "qwen-image": ("transformer_blocks.0.img_mlp.net.0.proj", "transformer_blocks.0"),
     "wan": ("blocks.0.ffn.net.2", "blocks.0"),
+    "z-image": ("layers.0.feed_forward.w1", "layers.0"),
 }
 
 

@@ -6,6 +6,11 @@
   modulation (``noise_mask``) runs as diffusers wrote it.
 - Every attention's q/k RMSNorm + RoPE -> ``qk_norm_rope_`` on the per-image frequencies the
   model hands the block. diffusers 0.42 has no context-parallel plan for Z-Image.
+
+With ``quantize="fp8"`` (quantize.py) a block with ditops' processor whose fed Linears all
+became FP8 gets its norms' output as FP8 rows: ``norm_scale_shift_fp8`` to q/k/v,
+``add_gate_norm_scale_fp8`` to the FFN's w1 and w3. The other Linears (the attention output,
+w2, the modulation) quantise their own input.
 """
 
 from __future__ import annotations
@@ -13,28 +18,53 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from . import patching
+from ...fp8 import Float8Rows
+from . import patching, quantize
 
 
-def _block_forward(self, x, attn_mask, freqs_cis, adaln_input=None, noise_mask=None, adaln_noisy=None,
-                   adaln_clean=None):
-    """diffusers' ZImageTransformerBlock with one modulation for all tokens: the first RMSNorm
-    and its scale as norm_scale_shift, "x + tanh(gate) * norm(attention), then the FFN's
-    RMSNorm and its scale" as add_gate_norm_scale, and the FFN's gated add as add_gate_norm.
-    Per-token modulation (noise_mask) and blocks without modulation run as diffusers wrote them."""
-    if (not self.modulation or noise_mask is not None
-            or patching.hooked(self, ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"))):
-        return type(self).forward(self, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
-    scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).unsqueeze(1).chunk(4, dim=2)
-    eps = self.attention_norm1.eps
-    no_shift = x.new_zeros(())
-    attention_input = ops.norm_scale_shift(x, scale_msa, no_shift, weight=self.attention_norm1.weight, norm="rms", eps=eps)
-    attention = self.attention(attention_input, attention_mask=attn_mask, freqs_cis=freqs_cis)
-    x, feed_forward_input = ops.add_gate_norm_scale(
-        x, attention, gate_msa, scale_mlp, weight=self.attention_norm2.weight, weight2=self.ffn_norm1.weight,
-        norm="rms", eps=eps, gate_act="tanh")
-    return ops.add_gate_norm(x, self.feed_forward(feed_forward_input), gate_mlp, weight=self.ffn_norm2.weight,
-                             norm="rms", eps=eps, gate_act="tanh")
+def _first_norm(x, scale, weight, eps):
+    return ops.norm_scale_shift(x, scale, x.new_zeros(()), weight=weight, norm="rms", eps=eps)
+
+
+def _first_norm_fp8(x, scale, weight, eps):
+    return Float8Rows(*ops.norm_scale_shift_fp8(x, scale, x.new_zeros(()), weight=weight, norm="rms", eps=eps))
+
+
+def _gated_norm(x, attention, gate, scale, weight, weight2, eps):
+    """(x + tanh(gate) * RMSNorm(attention), the FFN's input: its RMSNorm and scale)."""
+    return ops.add_gate_norm_scale(x, attention, gate, scale, weight=weight, weight2=weight2, norm="rms", eps=eps,
+                                   gate_act="tanh")
+
+
+def _gated_norm_fp8(x, attention, gate, scale, weight, weight2, eps):
+    y, y_scale, out = ops.add_gate_norm_scale_fp8(x, attention, gate, scale, weight=weight, weight2=weight2, norm="rms",
+                                                  eps=eps, gate_act="tanh")
+    return out, Float8Rows(y, y_scale)
+
+
+def _block_forward_of(first_norm, gated_norm):
+    def forward(self, x, attn_mask, freqs_cis, adaln_input=None, noise_mask=None, adaln_noisy=None, adaln_clean=None):
+        """diffusers' ZImageTransformerBlock with one modulation for all tokens: the first RMSNorm
+        and its scale as norm_scale_shift, "x + tanh(gate) * norm(attention), then the FFN's
+        RMSNorm and its scale" as add_gate_norm_scale, and the FFN's gated add as add_gate_norm.
+        Per-token modulation (noise_mask) and blocks without modulation run as diffusers wrote them."""
+        if (not self.modulation or noise_mask is not None
+                or patching.hooked(self, ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"))):
+            return type(self).forward(self, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
+        scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).unsqueeze(1).chunk(4, dim=2)
+        eps = self.attention_norm1.eps
+        attention_input = first_norm(x, scale_msa, self.attention_norm1.weight, eps)
+        attention = self.attention(attention_input, attention_mask=attn_mask, freqs_cis=freqs_cis)
+        x, feed_forward_input = gated_norm(x, attention, gate_msa, scale_mlp, self.attention_norm2.weight,
+                                           self.ffn_norm1.weight, eps)
+        return ops.add_gate_norm(x, self.feed_forward(feed_forward_input), gate_mlp, weight=self.ffn_norm2.weight,
+                                 norm="rms", eps=eps, gate_act="tanh")
+
+    return forward
+
+
+_block_forward = _block_forward_of(_first_norm, _gated_norm)
+_block_forward_fp8 = _block_forward_of(_first_norm_fp8, _gated_norm_fp8)
 
 
 class ZImageQKNormRopeProcessor(patching.DitopsProcessor):
@@ -75,15 +105,34 @@ def _attention_supported(attn) -> bool:
         type(norm) is RMSNorm and norm.weight is not None for norm in (attn.norm_q, attn.norm_k))
 
 
-def patch(model, patches: list, report) -> None:
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches Z-Image's blocks; with ``fp8_dtype`` their Linears run FP8, fed FP8 rows by the
+    norms where a block's processor is ditops' and all the Linears its norms feed became FP8."""
     for group in ("noise_refiner", "context_refiner", "layers"):
         for index, block in enumerate(getattr(model, group)):
             path = f"{group}.{index}"
-            if block.modulation and not _block_supported(block):
-                report.skipped.append(f"{path}: norms of another type, with bias or other eps")
-            elif block.modulation and patching.replace_forward(patches, report, block, path, _block_forward):
-                report.replaced += [(f"{path}.attention_norm1", "norm_scale_shift"),
-                                    (f"{path}.attention_norm2, {path}.ffn_norm1", "add_gate_norm_scale"),
-                                    (f"{path}.ffn_norm2", "add_gate_norm")]
             patching.replace_processor(patches, report, block.attention, f"{path}.attention",
                                        _attention_supported(block.attention), ZImageQKNormRopeProcessor, "qk_norm_rope_")
+            if block.modulation and not _block_supported(block):
+                report.skipped.append(f"{path}: norms of another type, with bias or other eps")
+                continue
+            fp8 = block.modulation and fp8_dtype is not None and _quantize_block(block, path, patches, report, fp8_dtype)
+            suffix = "_fp8" if fp8 else ""
+            if block.modulation and patching.replace_forward(patches, report, block, path,
+                                                             _block_forward_fp8 if fp8 else _block_forward):
+                report.replaced += [(f"{path}.attention_norm1", "norm_scale_shift" + suffix),
+                                    (f"{path}.attention_norm2, {path}.ffn_norm1", "add_gate_norm_scale" + suffix),
+                                    (f"{path}.ffn_norm2", "add_gate_norm")]
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)
+
+
+def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the block's norms feed -> FP8 (q/k/v, the FFN's w1 and w3); True where the
+    norms may give them FP8 rows."""
+    if type(block.attention.processor) is not ZImageQKNormRopeProcessor:
+        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+        return False
+    linears = (quantize.fed(block.attention, ("to_q", "to_k", "to_v"), f"{path}.attention")
+               + quantize.fed(block.feed_forward, ("w1", "w3"), f"{path}.feed_forward"))
+    return quantize.replace_fed(patches, report, linears, fp8_dtype, path)
