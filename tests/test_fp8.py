@@ -235,7 +235,8 @@ diffusers = pytest.importorskip("diffusers")
 from ditops.integrations import diffusers as integration  # noqa: E402
 from test_diffusers_integration import recorded_calls, run, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image  # noqa: E402
 
-FP8_OPS = ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "add_gate_norm_scale_fp8", "quantize_fp8")
+FP8_OPS = ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "norm_scale_shift_select_fp8",
+           "residual_norm_scale_shift_select_fp8", "add_gate_norm_scale_fp8", "quantize_fp8")
 BF16_REASONS = ("wanted both multiples of 16", "an embedder", "context-parallel plan")
 TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3)}
 
@@ -365,15 +366,19 @@ def test_a_gpu_without_fp8_refuses_quantize_before_patching_anything():
 
 @pytest.mark.parametrize("edit", [False, True], ids=["qwen-image", "qwen-image-edit"])
 def test_qwen_image_norms_feed_their_projections_fp8_rows(edit, monkeypatch):
-    """Qwen-Image: both streams' norms give FP8 rows; Qwen-Image-Edit's image stream runs the
-    select forms, which give bf16 (no FP8 select op), so only its text stream does."""
+    """Qwen-Image: both streams' norms give FP8 rows; Qwen-Image-Edit's image stream through the
+    select forms."""
     model, inputs, _ = tiny_qwen(torch.bfloat16, edit=edit)
+    expected = run(model, inputs)
     calls = recorded_calls(monkeypatch, FP8_OPS)
     integration.apply(model, quantize="fp8")
-    run(model, inputs)
+    patched = run(model, inputs)
     blocks = 2
     assert calls.count("norm_scale_shift_fp8") == blocks * (1 if edit else 2)
     assert calls.count("residual_norm_scale_shift_fp8") == blocks * (1 if edit else 2)
+    assert calls.count("norm_scale_shift_select_fp8") == calls.count("residual_norm_scale_shift_select_fp8") == (
+        blocks if edit else 0)
+    assert 0 < (patched - expected).norm() / expected.norm() < 0.15
 
 
 def test_wan_norms_feed_self_attention_and_ffn_fp8_rows(monkeypatch):

@@ -11,8 +11,8 @@
 With ``quantize="fp8"`` (quantize.py) the norms without ``modulate_index`` give FP8 rows
 (``norm_scale_shift_fp8``, ``residual_norm_scale_shift_fp8``) to the projections they feed
 (q/k/v, the MLPs' up projections), each MLP's GELU and quantisation are one ``quantize_fp8``
-(quantize.py's FeedForward forward); the select forms (Qwen-Image-Edit's image stream) give
-bf16, which their projections quantise.
+(quantize.py's FeedForward forward); with ``modulate_index`` (Qwen-Image-Edit's image stream)
+their select forms do (``norm_scale_shift_select_fp8``, ``residual_norm_scale_shift_select_fp8``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def _first_norm_of(fp8: bool):
         if index is None:
             return ops.norm_scale_shift(x, scale, shift, eps=eps), gate.unsqueeze(1)
         (scale0, scale1), (shift0, shift1), (gate0, gate1) = _halves(scale), _halves(shift), _halves(gate)
+        if fp8:
+            y, y_scale, gate = ops.norm_scale_shift_select_fp8(x, index, scale0, shift0, gate0, scale1, shift1, gate1,
+                                                               eps=eps)
+            return Float8Rows(y, y_scale), gate
         return ops.norm_scale_shift_select(x, index, scale0, shift0, gate0, scale1, shift1, gate1, eps=eps)
 
     return first_norm
@@ -58,6 +62,10 @@ def _second_norm_of(fp8: bool):
                                                                 eps=eps)
             return modulated, residual, gate.unsqueeze(1)
         (scale0, scale1), (shift0, shift1), (gate0, gate1) = _halves(scale), _halves(shift), _halves(gate)
+        if fp8:
+            y, y_scale, residual, gate = ops.residual_norm_scale_shift_select_fp8(
+                attention, residual, first_gate, index, scale0, shift0, gate0, scale1, shift1, gate1, eps=eps)
+            return Float8Rows(y, y_scale), residual, gate
         return ops.residual_norm_scale_shift_select(attention, residual, first_gate, index, scale0, shift0, gate0, scale1,
                                                     shift1, gate1, eps=eps)
 
