@@ -129,6 +129,7 @@ class HeadSpec:
     k_none: bool = False
     weight_dtypes: tuple = (torch.float32, None)  # qk_norm_rope_'s q_weight and k_weight; None: the activations' dtype
     spare_cache_rows: int = 5  # cache rows past the last position a call reads (a cache sized for longer sequences)
+    norm_over: str = "head"  # qk_norm_rope_'s RMSNorm: per head, or over all heads of a token ("token", weights [H * Dh])
 
 
 def selection_index(spec: RowSpec, device, generator) -> torch.Tensor:

@@ -348,21 +348,31 @@ def _check_add_gate_norm_scale_fp8(
                                          describe_call, lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
 
 
+NORM_OVER = ("head", "token")  # qk_norm_rope_'s RMSNorm: over each head's Dh, or over a token's H * Dh
+
+
 def _check_qk_norm_rope(
-    q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset, describe_call=True
+    q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset, norm_over,
+    describe_call=True
 ) -> Optional[Features]:
     op = "qk_norm_rope_"
     if k is None:
         validation.fail(op, "k", "is None", "a tensor (only rope_ takes k=None)")
     heads = validation.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
     device = q.device
-    validation.affine(op, "q_weight", q_weight, heads.head_size, device)
-    validation.affine(op, "k_weight", k_weight, heads.head_size, device)
+    validation.choice(op, "norm_over", norm_over, NORM_OVER)
+    # over a token: a weight per value of the token's heads, and the widest of q's and k's
+    # rows as the call's D (registry: max_hidden_size); per head, a weight per dim and no D
+    per_token = norm_over == "token"
+    q_width, k_width = (heads.head_size * t.shape[-2] if per_token else heads.head_size for t in (q, k))
+    validation.affine(op, "q_weight", q_weight, q_width, device)
+    validation.affine(op, "k_weight", k_weight, k_width, device)
     validation.eps(op, eps)
     if describe_call and q.numel():
         return describe(
             (q, k),
             (q_weight, k_weight, cos_sin_cache),
+            hidden_size=max(q_width, k_width) if per_token else 0,
             head_size=heads.head_size,
             rotary_dim=heads.rotary_dim,
             interleaved=interleaved,
@@ -546,8 +556,10 @@ def _rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
 def _qk_norm_rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
     arguments = _rope_inputs(spec, dtype, device, generator)
     q_weight_dtype, k_weight_dtype = (weight_dtype or dtype for weight_dtype in spec.weight_dtypes)
-    return dict(arguments, q_weight=random(generator, device, q_weight_dtype, spec.head_size),
-                k_weight=random(generator, device, k_weight_dtype, spec.head_size))
+    q_width, k_width = ((heads * spec.head_size if spec.norm_over == "token" else spec.head_size)
+                        for heads in (spec.q_heads, spec.k_heads))
+    return dict(arguments, q_weight=random(generator, device, q_weight_dtype, q_width),
+                k_weight=random(generator, device, k_weight_dtype, k_width), norm_over=spec.norm_over)
 
 
 def _typical_rows(norm: str) -> Callable:
@@ -635,12 +647,12 @@ def _rows(batch, tokens, hidden, *, modulation_dtype=None, norm="layer", affine=
                    index="halves", select_form="batch_view")
 
 
-def _heads(tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=False) -> HeadSpec:
+def _heads(tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=False, norm_over="head") -> HeadSpec:
     """A RoPE-op benchmark call, q/k [T, H, Dh]: a per-token float32 cache and no positions
     (multi-axis RoPE), or int64 positions into the cache; the q/k norm weights in the
     activations' dtype, as the models hold them."""
     return HeadSpec((tokens,), q_heads, k_heads, head_size, interleaved=interleaved,
-                    positions=torch.int64 if positions else None, weight_dtypes=(None, None))
+                    positions=torch.int64 if positions else None, weight_dtypes=(None, None), norm_over=norm_over)
 
 
 _WAN = dict(modulation_dtype=torch.float32, per_batch_3d=True)
@@ -667,6 +679,11 @@ _QK_NORM_ROPE_BENCH = (
     BenchShape("Qwen-Image-Edit 1024px", f"T{8192 + TEXT_TOKENS} H24 Dh128", _heads(8192 + TEXT_TOKENS, 24, 24, 128)),
     BenchShape("Z-Image-Turbo 1024px", f"T{_JOINT} H30 Dh128", _heads(_JOINT, 30, 30, 128)),
     BenchShape("latency", "T128 H24 Dh128", _heads(128, 24, 24, 128), quick=True),
+    # the RMSNorm over all heads of a token (norm_over="token"): Wan's and LTX-2's q/k norms
+    BenchShape("Wan2.1-1.3B 480p (token norm)", "T32760 H12 Dh128", _heads(32760, 12, 12, 128, norm_over="token"),
+               quick=True),
+    BenchShape("Wan2.1-14B 720p (token norm)", "T75600 H40 Dh128", _heads(75600, 40, 40, 128, norm_over="token")),
+    BenchShape("LTX-2 768x512 121 frames (token norm)", "T6144 H32 Dh128", _heads(6144, 32, 32, 128, norm_over="token")),
 )
 _LLM = 16384
 _ROPE_BENCH = (
@@ -747,6 +764,21 @@ HEAD_SPECS = {
 }
 
 ROPE_ONLY_SPECS = {"k-none": HeadSpec((2, 5), 3, 3, 64, k_none=True)}
+
+# qk_norm_rope_'s RMSNorm over all heads of a token (norm_over="token"; Wan, LTX-2): the real
+# widths, GQA, odd head counts (a Triton tile of masked heads), partial rotary, views.
+TOKEN_NORM_SPECS = {
+    "token-norm-wan1.3b": HeadSpec((1, 20), 12, 12, 128, norm_over="token"),
+    "token-norm-wan14b": HeadSpec((9,), 40, 40, 128, norm_over="token"),
+    "token-norm-ltx2-neox": HeadSpec((2, 5), 32, 32, 128, interleaved=False, norm_over="token"),
+    "token-norm-gqa-neox": HeadSpec((11,), 8, 2, 128, interleaved=False, positions=torch.int64, norm_over="token"),
+    "token-norm-odd-heads": HeadSpec((7,), 5, 3, 64, rotary_dim=32, position_offset=2, norm_over="token"),
+    "token-norm-dh80": HeadSpec((6,), 7, 7, 80, positions=torch.int32, norm_over="token"),
+    "token-norm-qkv-views": HeadSpec((2, 4), 6, 6, 128, layout="qkv", norm_over="token"),
+    "token-norm-bf16-weights": HeadSpec((5,), 3, 3, 128, weight_dtypes=(torch.bfloat16, torch.bfloat16),
+                                        norm_over="token"),
+    "token-norm-empty": HeadSpec((0,), 4, 4, 128, norm_over="token"),
+}
 
 # FP8 outputs: the bf16 ops' row cases that vary what the quantisation sees (widths, forms,
 # layouts, NaN/Inf), plus a static scale small enough that values saturate.
@@ -905,12 +937,14 @@ def add_gate_norm_scale(x: T, branch: T, gate: T, scale: T, *, weight: OT = None
 
 def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, positions: OT = None, *,
                   interleaved: bool = True, rotary_dim: Optional[int] = None, eps: float = 1e-6,
-                  position_offset: int = 0) -> tuple:
-    """In place: per token and head, RMSNorm over Dh, then RoPE on the first R dims.
+                  position_offset: int = 0, norm_over: str = "head") -> tuple:
+    """In place: RMSNorm per head over Dh (or per token over its heads), then RoPE on the first R dims.
 
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: the same leading dims with Hk heads; q_weight,
     k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns); positions:
-    q's leading shape, or None for ``position_offset + token index``. Returns (q, k); under
+    q's leading shape, or None for ``position_offset + token index``. ``norm_over="token"``:
+    one RMSNorm over all heads of a token (Wan, LTX-2), q_weight [Hq * Dh], k_weight
+    [Hk * Dh]; the RoPE is per head either way. Returns (q, k); under
     torch.compile on a GPU, the graph's new tensors of their values: where q and k are slices
     of a wider projection, reading those spares the graph a copy of the projection.
 
@@ -920,6 +954,7 @@ def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, posi
     >>> q_out, k_out = ditops.qk_norm_rope_(q, k, torch.ones(128), torch.ones(128), cache)
     >>> q_out is q  # written in place
     True
+    >>> _ = ditops.qk_norm_rope_(q, k, torch.ones(4 * 128), torch.ones(4 * 128), cache, norm_over="token")  # Wan's norms
     """
 
 
@@ -1112,7 +1147,8 @@ SPECS = {
                **_FP8_GATE_NORMS),
         OpSpec(qk_norm_rope_, _check_qk_norm_rope, reference.qk_norm_rope_, _qk_norm_rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
                check_values=_in_place_checks("qk_norm_rope_", ("q_weight", "k_weight", "cos_sin_cache", "positions")),
-               conformance=HEAD_SPECS, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128), typical=_typical_heads),
+               conformance={**HEAD_SPECS, **TOKEN_NORM_SPECS}, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128),
+               typical=_typical_heads),
         OpSpec(rope_, _check_rope, reference.rope_, _rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
                check_values=_in_place_checks("rope_", ("cos_sin_cache", "positions")),
                conformance={**HEAD_SPECS, **ROPE_ONLY_SPECS}, bench=_ROPE_BENCH, default_shape=(4096, 32, 128),

@@ -63,6 +63,8 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
         assert {compiled.rotary_instance(dtype, head_size, interleaved, streaming)
                 for interleaved, streaming in itertools.product((False, True), (False, True))} <= tested
+    for dtype, interleaved, hidden in itertools.product(dtypes, (False, True), range(8, 8192 + 1, 8)):  # norm_over="token"
+        assert compiled.rotary_token_norm_instance(dtype, interleaved, hidden) in tested
     for dtype, fp8_dtype, hidden in itertools.product(dtypes, compiled.FP8_TYPES, range(8, 16384 + 1, 8)):
         assert {compiled.quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
                 for gelu, prefix in itertools.product((False, True), (False, True))} <= tested

@@ -27,6 +27,15 @@ def test_opcheck_quantize_fp8_with_a_prefix(dtype):
     torch.library.opcheck(torch.ops.ditops.quantize_fp8.default, (*arguments, None))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_opcheck_qk_norm_rope_over_a_token(dtype):
+    """norm_over="token": weights [H * Dh], GQA (Hk < Hq), the mode a string of the schema."""
+    q, k = torch.randn(2, 6, 4, 32, dtype=dtype), torch.randn(2, 6, 2, 32, dtype=dtype)
+    cache = ditops.rope_cos_sin_cache(6, 32)
+    arguments, _ = ordered_arguments("qk_norm_rope_", q, k, torch.randn(128), torch.randn(64), cache, norm_over="token")
+    torch.library.opcheck(torch.ops.ditops.qk_norm_rope_.default, (*arguments, None))
+
+
 def test_compile_fullgraph_quantizes_a_prefix_and_x_in_one_node():
     """FLUX's single block: the attention output and the GELU MLP hidden state as one FP8 input."""
 
@@ -72,6 +81,7 @@ def dit_block(x, residual, q, k, modulation, weight, cache, gate_index):
     shift, scale, gate = modulation[:, 0], modulation[:, 1], modulation[:, 2]
     h = ditops.norm_scale_shift(x, scale, shift, weight=weight)
     ditops.qk_norm_rope_(q, k, weight[:32], weight[32:64], cache, position_offset=2)
+    ditops.qk_norm_rope_(q, k, weight, weight.flip(0), cache, norm_over="token")  # Wan's norms: weights [H * Dh]
     attention = (q.flatten(-2) + k.flatten(-2)).repeat(1, 1, 1)[..., : x.shape[-1]]
     y, residual_out = ditops.residual_norm_scale_shift(h + attention, residual, gate, scale, shift, norm="rms")
     z, gate_out = ditops.norm_scale_shift_select(y, gate_index, scale, shift, gate, shift, scale, gate)

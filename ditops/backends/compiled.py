@@ -128,6 +128,17 @@ def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, strea
     return Instance("rotary.cu", "rotary", arguments, block, threads)
 
 
+def rotary_token_norm_instance(dtype: torch.dtype, interleaved: bool, hidden: int) -> Instance:
+    """The rotary_token_norm kernel (qk_norm_rope_ with norm_over="token") for a token's widest
+    tensor of hidden = H * Dh values: the first launch class with max_hidden >= hidden, a block
+    per token and tensor holding block * items chunks of 8 values."""
+    for entry in _launch_settings()["rotary_token_norm"]:
+        if hidden <= entry["max_hidden"]:
+            arguments = (C_TYPES[dtype], "true" if interleaved else "false", entry["block"], entry["items"])
+            return Instance("rotary.cu", "rotary_token_norm", arguments, entry["block"], entry["block"])
+    raise ValueError(f"no compiled launch setting for token norms of {hidden}; the registry's max_hidden_size should refuse them")
+
+
 def _rotary_items(interleaved: bool) -> int:
     """Heads a rotary thread takes (ITEMS): the launch table's, per pair layout."""
     return _launch_settings()["rotary"]["items"]["interleaved" if interleaved else "neox"]
@@ -161,6 +172,8 @@ def all_instances() -> list:
                       for fp8_dtype, gelu, hidden, prefix in itertools.product(FP8_TYPES, (False, True), rows, (False, True))]
         instances += [rotary_instance(dtype, head_size, interleaved, streaming)
                       for head_size, interleaved, streaming in itertools.product(ROTARY_HEAD_SIZES, (False, True), (False, True))]
+        instances += [rotary_token_norm_instance(dtype, interleaved, entry["max_hidden"])
+                      for entry, interleaved in itertools.product(_launch_settings()["rotary_token_norm"], (False, True))]
     return list(dict.fromkeys(instances))
 
 
@@ -441,8 +454,24 @@ class CompiledOps:
         ]
         return CompiledLaunch(instance, (blocks, 1, 1), arguments)
 
+    def _rotary_token_norm(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset):
+        q_tokens = tokens_of(q)
+        rows = q_tokens.batch * q_tokens.tokens
+        if rows == 0:
+            return None
+        instance = rotary_token_norm_instance(q.dtype, interleaved, max(q.shape[-2], k.shape[-2]) * q.shape[-1])
+        arguments = [
+            (q, q_tokens.batch_stride, q_tokens.token_stride), (k, *tokens_of(k)[2:]), _weight(q_weight), _weight(k_weight),
+            (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
+            q.shape[-2], k.shape[-2], q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[1], position_offset, float(eps),
+        ]
+        return CompiledLaunch(instance, (rows, 2, 1), arguments)
+
     def qk_norm_rope__launch(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
-                             position_offset):
+                             position_offset, norm_over):
+        if norm_over == "token":
+            return self._rotary_token_norm(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps,
+                                           position_offset)
         return self._rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset,
                             norm=True)
 

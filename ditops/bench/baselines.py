@@ -99,11 +99,16 @@ def rope_(q, k, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None
     return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
 
 
-def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, eps=1e-6, position_offset=0):
+def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, eps=1e-6,
+                  position_offset=0, norm_over="head"):
     cos, sin = _angles(q, cos_sin_cache, positions, position_offset)
-    head = (q.shape[-1],)
-    q = F.rms_norm(q, head, q_weight, eps)
-    k = F.rms_norm(k, head, k_weight, eps)
+    if norm_over == "token":  # Wan's WanAttnProcessor: RMSNorm over the projection's H * Dh, then heads
+        q, k = (F.rms_norm(t.flatten(-2), (t.shape[-2] * t.shape[-1],), weight, eps).view(t.shape)
+                for t, weight in ((q, q_weight), (k, k_weight)))
+    else:
+        head = (q.shape[-1],)
+        q = F.rms_norm(q, head, q_weight, eps)
+        k = F.rms_norm(k, head, k_weight, eps)
     return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
 
 

@@ -1,5 +1,6 @@
 // Ops 5 and 6, in place: per token and head, optionally RMSNorm over the head (q_weight or
-// k_weight), then RoPE on the first R dims.
+// k_weight), then RoPE on the first R dims; `rotary_token_norm` at the end: qk_norm_rope_'s
+// norm_over="token", one RMSNorm over all heads of a token.
 //
 // A head is held by HEAD_THREADS consecutive lanes, each holding whole rotated pairs (see
 // `kLaneChunks` below): one chunk of 8 values a lane for interleaved pairs (at least Dh / 8
@@ -189,5 +190,103 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
             for (int j = 0; j < kLaneChunks; ++j)
                 if (has[j]) store_chunk<STREAMING>(head_values + column[j], v[j]);
         }
+    }
+}
+
+// qk_norm_rope_ with norm_over="token": one RMSNorm over all H * Dh values of a token's q (or
+// k), weights [H * Dh], then RoPE per head. A block per token and tensor (grid: B * S, 2; y 0
+// is q, 1 is k), whose BLOCK threads reduce the token's squares together (group_sum). Unit u
+// of the block (thread u % BLOCK, item u / BLOCK) is lane u % head_units of head u / head_units,
+// its chunks laid out as a lane of the per-head kernel above (one chunk interleaved, two NeoX),
+// so BLOCK * ITEMS * 8 >= H * Dh (the launch table's classes, the registry's max_hidden_size).
+// The chunks stay as loaded until the sum is known; cos/sin and the weight are read after it.
+template <typename T, bool INTERLEAVED, int BLOCK, int ITEMS>
+__global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
+    Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
+    long long q_heads, long long k_heads, long long tokens, long long head_size, long long rotary_dim,
+    long long position_offset, float eps) {
+    const bool in_q = blockIdx.y == 0;
+    const long long row = blockIdx.x, batch = row / tokens, token = row - batch * tokens;
+    const Heads tensor = in_q ? q : k;
+    const long long heads = in_q ? q_heads : k_heads;
+    constexpr int kLaneChunks = INTERLEAVED ? 1 : 2;
+    const int half = static_cast<int>(rotary_dim / 2);
+    const int head_units = static_cast<int>((head_size + kLaneChunks * kChunk - 1) / (kLaneChunks * kChunk));
+    const int pair_lanes = INTERLEAVED ? 0 : half / kChunk, first = INTERLEAVED ? 0 : static_cast<int>(rotary_dim);
+
+    constexpr int kWords = ChunkWords<T>::count;
+    T* const token_heads = static_cast<T*>(tensor.data) + batch * tensor.batch_stride + token * tensor.token_stride;
+    uint4 words[ITEMS][kLaneChunks][kWords];
+    int head[ITEMS], column[ITEMS][2];
+    bool has[ITEMS][2];
+    float squares = 0.0f;
+#pragma unroll
+    for (int item = 0; item < ITEMS; ++item) {
+        const int unit = item * BLOCK + static_cast<int>(threadIdx.x);
+        head[item] = unit / head_units;
+        const int member = unit - head[item] * head_units;
+        const bool neox_pair = member < pair_lanes;
+        const int a = neox_pair ? member * kChunk : first + (member - pair_lanes) * kChunk;
+        column[item][0] = a;
+        column[item][1] = neox_pair ? half + a : a + (head_units - pair_lanes) * kChunk;
+        has[item][0] = head[item] < heads && a < head_size;
+        has[item][1] = has[item][0] && column[item][1] < head_size;
+        const uint4* const head_words = reinterpret_cast<const uint4*>(token_heads + head[item] * head_size);
+#pragma unroll
+        for (int j = 0; j < kLaneChunks; ++j) {
+#pragma unroll
+            for (int w = 0; w < kWords; ++w)  // coherent loads: this kernel writes q and k
+                words[item][j][w] = has[item][j] ? head_words[column[item][j] / kChunk * kWords + w] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) {
+                const float value = word_element<T>(words[item][j], e);
+                squares += value * value;
+            }
+        }
+    }
+    const float inverse_rms = rsqrtf(group_sum<BLOCK, BLOCK>(squares) / static_cast<float>(heads * head_size) + eps);
+
+    const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;
+    const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
+    const Weight weight = in_q ? q_weight : k_weight;
+#pragma unroll
+    for (int item = 0; item < ITEMS; ++item) {
+        if (!has[item][0]) continue;
+        const int a = column[item][0];
+        const bool neox_pair = !INTERLEAVED && a < half;
+        float c[kChunk] = {}, s[kChunk] = {};
+        if constexpr (INTERLEAVED) {
+            if (a < rotary_dim) {
+                load_quad_of_dtype(cos_row, cache.dtype, a / 2, c);
+                load_quad_of_dtype(cos_row, cache.dtype, half + a / 2, s);
+            }
+        } else if (neox_pair) {
+            load_chunk_of_dtype(cos_row, cache.dtype, a, c);
+            load_chunk_of_dtype(cos_row, cache.dtype, half + a, s);
+        }
+        float v[kLaneChunks][kChunk];
+#pragma unroll
+        for (int j = 0; j < kLaneChunks; ++j) {
+            float w[kChunk];
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) w[e] = 1.0f;  // no weight: x * 1 is exact
+            if (has[item][j] && weight.data) load_chunk_of_dtype(weight.data, weight.dtype, head[item] * head_size + column[item][j], w);
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) v[j][e] = word_element<T>(words[item][j], e) * inverse_rms * w[e];
+        }
+        if constexpr (INTERLEAVED) {
+            if (a < rotary_dim) rotate_interleaved(v[0], c, s);
+        } else if (neox_pair) {  // pair e is (A[e], B[e])
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) {
+                const float x = v[0][e], y = v[1][e];
+                v[0][e] = x * c[e] - y * s[e];
+                v[1][e] = y * c[e] + x * s[e];
+            }
+        }
+        T* const head_values = token_heads + head[item] * head_size;
+#pragma unroll
+        for (int j = 0; j < kLaneChunks; ++j)
+            if (has[item][j]) store_chunk(head_values + column[item][j], v[j]);
     }
 }

@@ -188,7 +188,8 @@ def add_gate_norm_scale_fp8_launch(x, branch, gate, scale, weight, bias, weight2
                            static_scale)
 
 
-def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm, q_out, k_out):
+def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm, q_out, k_out,
+            token_norm=False):
     q_out = q if q_out is None else q_out
     k_out = k if k_out is None else k_out
     batch, tokens, q_batch_stride, q_token_stride = tokens_of(q)
@@ -197,7 +198,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     _, _, k_out_batch_stride, k_out_token_stride = tokens_of(k_out) if k is not None else (0, 0, 0, 0)
     head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
     launch = rotary_launch(head_size, rotary_dim, q.shape[-2], k.shape[-2] if k is not None else 0, q.element_size(),
-                           batch * tokens, settings_of(q))
+                           batch * tokens, settings_of(q), token_norm)
     positions_batch_stride, positions_token_stride = (0, 0)
     if positions is not None:
         positions_batch_stride, positions_token_stride = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
@@ -211,7 +212,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         positions, positions_batch_stride, positions_token_stride, position_offset,
         tokens, head_size, rotary_dim, eps,
     ), dict(
-        NORM=norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
+        NORM=norm, TOKEN_NORM=token_norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
         Q_BLOCK_HEADS=launch.q_block_heads, K_BLOCK_HEADS=launch.k_block_heads,
         HALF_HEAD=launch.half_head, HALF_TAIL=launch.half_tail, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
@@ -223,8 +224,9 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
 # The in-place ops write q and k themselves; given q_out and k_out (a compiled graph's
 # functional node, ditops/ops.py), they write those instead and leave q and k as they were.
 def qk_norm_rope__launch(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset,
-                         q_out=None, k_out=None):
-    return _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, True, q_out, k_out)
+                         norm_over, q_out=None, k_out=None):
+    return _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, True, q_out, k_out,
+                   norm_over == "token")
 
 
 def rope__launch(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, q_out=None, k_out=None):

@@ -130,7 +130,7 @@ class RotaryLaunch(NamedTuple):
 
 
 def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, tokens: int,
-                  owners: tuple) -> RotaryLaunch:
+                  owners: tuple, token_norm: bool = False) -> RotaryLaunch:
     """A head block for q and one for k (k_heads 0: no k). A token's heads go in one pass when
     their tile holds at most one_pass_elements values, else in blocks of about tile_elements.
     A block is never narrower than what gives every thread a 16-byte load of the head tile of
@@ -139,7 +139,9 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
     tail_num_warps (the launch table has the numbers). Calls with k of at most split_max_tokens
     tokens give q and k a program each (split), which only spreads the same operations over
     more programs. Calls of evict_first_stores' token range store with evict_first: a cache
-    hint, the same operations and bits."""
+    hint, the same operations and bits. token_norm (an RMSNorm over all heads of a token): each
+    tensor's heads in one block whatever its size, at the num_warps of the first token_norm
+    class whose max_hidden is at least the call's D, the wider of Hq * Dh and Hk * Dh."""
     entry = _entry("rotary", owners)
     half_head, half_tail = _head_and_tail(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
@@ -151,8 +153,12 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
 
     def block_heads(heads: int) -> int:
         whole = triton.next_power_of_2(max(heads, 1))
-        block = whole if whole * per_head <= entry["one_pass_elements"] else min(whole, fitting)
+        block = whole if token_norm or whole * per_head <= entry["one_pass_elements"] else min(whole, fitting)
         return max(block, vector)
+
+    if token_norm:  # the registry's max_hidden_size keeps D within the last class
+        width = max(q_heads, k_heads) * head_size
+        num_warps = next(c["num_warps"] for c in entry["token_norm"] if width <= c["max_hidden"])
 
     streamed = entry.get("evict_first_stores")
     evict_first = streamed is not None and streamed["min_tokens"] <= tokens <= streamed["max_tokens"]

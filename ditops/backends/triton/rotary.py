@@ -18,7 +18,10 @@ power of two not above R/2) and a tail tile (HALF_TAIL, 0 where R/2 is a power o
 the row kernels' head and tail: at Dh 80 and 96 a single power-of-two tile left 37.5% and
 25% of its lanes as padding (launch.rotary_launch has the measurements). Calls of a middle
 token range store q_out and k_out with evict_first (STORE_EVICTION, a cache hint: the same
-bits); the launch table says where and why."""
+bits); the launch table says where and why.
+With TOKEN_NORM (qk_norm_rope_'s norm_over="token") the RMS runs over all heads of a token:
+the launch puts a tensor's heads in one block, so the loop makes one pass and the sum of the
+block's squares is the token's."""
 
 import triton
 import triton.language as tl
@@ -49,14 +52,15 @@ def _cos_sin(cache_row, first, half, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _weigh_pairs(x1, x2, weight, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """x1 and x2 times the norm weight of their dims."""
+def _weigh_pairs(x1, x2, weight, weight_mask, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """x1 and x2 times the norm weight of their dims (weight: one [Dh] row, or a row per head
+    where weight_mask masks the heads past the last)."""
     pair = first + tl.arange(0, WIDTH)[None, :]
     if INTERLEAVED:
         first_index, second_index = 2 * pair, 2 * pair + 1
     else:
         first_index, second_index = pair, half + pair
-    in_pair = pair < half
+    in_pair = weight_mask & (pair < half)
     x1 = x1 * tl.load(weight + first_index, mask=in_pair, other=0.0).to(tl.float32)
     x2 = x2 * tl.load(weight + second_index, mask=in_pair, other=0.0).to(tl.float32)
     return x1, x2
@@ -84,8 +88,10 @@ def _rotate_heads(
     base, target, head_stride, heads, weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_REST: tl.constexpr,
-    EVICTION: tl.constexpr,
+    EVICTION: tl.constexpr, TOKEN_NORM: tl.constexpr,
 ):
+    """TOKEN_NORM: one RMS over all the token's heads, which the launch puts in one block (one
+    pass of the loop below), with a weight row per head; else one per head, one [Dh] weight."""
     half = rotary_dim // 2
     rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
     for first_head in range(0, heads, BLOCK_HEADS):
@@ -103,15 +109,20 @@ def _rotate_heads(
             if HALF_TAIL > 0:
                 squares += tl.sum(b1 * b1, axis=1) + tl.sum(b2 * b2, axis=1)
             squares += tl.sum(tail * tail, axis=1)
-            inverse_rms = tl.rsqrt(squares / head_size + eps)[:, None]
+            if TOKEN_NORM:  # masked heads hold zeros: they add nothing
+                inverse_rms = tl.rsqrt(tl.sum(squares, axis=0) / (heads * head_size) + eps)
+                head_weight, weight_mask = weight + head * head_size, head_mask
+            else:
+                inverse_rms = tl.rsqrt(squares / head_size + eps)[:, None]
+                head_weight, weight_mask = weight, True
             a1, a2, tail = a1 * inverse_rms, a2 * inverse_rms, tail * inverse_rms
             if HALF_TAIL > 0:
                 b1, b2 = b1 * inverse_rms, b2 * inverse_rms
             if HAS_WEIGHT:
-                a1, a2 = _weigh_pairs(a1, a2, weight, 0, half, HALF_HEAD, INTERLEAVED)
+                a1, a2 = _weigh_pairs(a1, a2, head_weight, weight_mask, 0, half, HALF_HEAD, INTERLEAVED)
                 if HALF_TAIL > 0:
-                    b1, b2 = _weigh_pairs(b1, b2, weight, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
-                tail = tail * tl.load(weight + rest, mask=rest < head_size, other=0.0).to(tl.float32)
+                    b1, b2 = _weigh_pairs(b1, b2, head_weight, weight_mask, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
+                tail = tail * tl.load(head_weight + rest, mask=weight_mask & (rest < head_size), other=0.0).to(tl.float32)
             tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask, eviction_policy=EVICTION)
         _store_pairs(out, head_mask, a1, a2, cos_h, sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED, EVICTION)
         if HALF_TAIL > 0:
@@ -128,7 +139,7 @@ def rotary_kernel(
     cache, cache_row_stride,
     positions, positions_batch_stride, positions_token_stride, position_offset,
     tokens, head_size, rotary_dim, eps,
-    NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
+    NORM: tl.constexpr, TOKEN_NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr,
     BLOCK_REST: tl.constexpr, SPLIT: tl.constexpr, STORE_EVICTION: tl.constexpr,
@@ -154,13 +165,17 @@ def rotary_kernel(
     if SPLIT:  # (tokens, 2) programs; the launch code splits only calls with k
         if tl.program_id(1) == 0:
             _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION)
+                          eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                          STORE_EVICTION, TOKEN_NORM)
         else:
             _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION)
+                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                          STORE_EVICTION, TOKEN_NORM)
     else:
         _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                      eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION)
+                      eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                      STORE_EVICTION, TOKEN_NORM)
         if HAS_K:
             _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION)
+                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                          STORE_EVICTION, TOKEN_NORM)
