@@ -48,6 +48,17 @@ __device__ inline void rotate_interleaved(float (&v)[kChunk], const float (&c)[k
     }
 }
 
+// NeoX: pair e is (a[e], b[e]), the two halves of the rotated dims.
+__device__ inline void rotate_neox(float (&a)[kChunk], float (&b)[kChunk], const float (&c)[kChunk],
+                                   const float (&s)[kChunk]) {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) {
+        const float x = a[e], y = b[e];
+        a[e] = x * c[e] - y * s[e];
+        b[e] = y * c[e] + x * s[e];
+    }
+}
+
 // STREAMING: q and k stored with the streaming cache hint (a template flag: chosen at run time
 // per store, it made the float16 instances spill on sm_90). MIN_BLOCKS: the launch table's.
 template <typename T, bool INTERLEAVED, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS>
@@ -176,13 +187,8 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
         }
         if constexpr (INTERLEAVED) {
             if (rotated) rotate_interleaved(v[0], c, s);
-        } else if (neox_pair) {  // pair e is (A[e], B[e])
-#pragma unroll
-            for (int e = 0; e < kChunk; ++e) {
-                const float x = v[0][e], y = v[1][e];
-                v[0][e] = x * c[e] - y * s[e];
-                v[1][e] = y * c[e] + x * s[e];
-            }
+        } else if (neox_pair) {
+            rotate_neox(v[0], v[1], c, s);
         }
         if (stored[item]) {
             T* const head_values = token_heads + (first_head + item * slots) * head_size;
@@ -276,13 +282,8 @@ __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
         }
         if constexpr (INTERLEAVED) {
             if (a < rotary_dim) rotate_interleaved(v[0], c, s);
-        } else if (neox_pair) {  // pair e is (A[e], B[e])
-#pragma unroll
-            for (int e = 0; e < kChunk; ++e) {
-                const float x = v[0][e], y = v[1][e];
-                v[0][e] = x * c[e] - y * s[e];
-                v[1][e] = y * c[e] + x * s[e];
-            }
+        } else if (neox_pair) {
+            rotate_neox(v[0], v[1], c, s);
         }
         T* const head_values = token_heads + head[item] * head_size;
 #pragma unroll
