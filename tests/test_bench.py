@@ -250,6 +250,7 @@ def test_select_cases_by_shape_substring():
         ("residual_norm_scale_shift_fp8", "B1 S75600 D5120"),
         ("quantize_fp8", "B1 S75600 D13824"),
         ("rope_", "T75600 H40 Dh128"),
+        ("qk_norm_rope_", "T75600 H40 Dh128"),
     }
     assert bench.select_cases(shapes=["no such model"]) == []
 

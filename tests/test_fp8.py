@@ -341,7 +341,7 @@ def test_compiled_fp8_flux_has_no_graph_break_and_matches_eager():
         explained = torch._dynamo.explain(model)(**inputs)
         assert explained.graph_break_count == 0
         code = "".join(graph.code for graph in explained.graphs)
-        for op in FP8_OPS:
+        for op in ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8"):  # FLUX's
             assert f"torch.ops.ditops.{op}(" in code
         compiled = torch.compile(model, fullgraph=True)(**inputs).sample.float()
     # bf16 rounding differs between Inductor's code and eager; FP8 rounding may amplify a

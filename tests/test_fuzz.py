@@ -51,7 +51,8 @@ MODULATION_FORMS = ("scalar", "scalar1", "vector", "vector2", "vector3", "batch"
 ORACLE_DEFAULT_EPS = {"residual_norm_scale_shift", "residual_norm_scale_shift_select"}
 # The interpreter rounds float32 to bfloat16 toward zero (see tests/conformance): the ops that
 # normalise a stored bfloat16 intermediate are fuzzed in bfloat16 on the GPU only.
-STORED_INTERMEDIATE = {"residual_norm_scale_shift", "residual_norm_scale_shift_select", "add_gate_norm_scale"}
+STORED_INTERMEDIATE = {"residual_norm_scale_shift", "residual_norm_scale_shift_select", "add_gate_norm_scale",
+                       "residual_norm_scale_shift_fp8", "residual_norm_scale_shift_select_fp8", "add_gate_norm_scale_fp8"}
 
 
 class Draw:
@@ -189,7 +190,10 @@ def _head_case(op, draw: Draw, dtype):
 # The FP8 forms of the row ops: a case of the op becomes one of them after its arguments are
 # drawn (the cases of the other ops draw exactly what they drew before these forms existed).
 FP8_FORMS = {"norm_scale_shift": ("norm_scale_shift_fp8", "quantize_fp8"),
-             "residual_norm_scale_shift": ("residual_norm_scale_shift_fp8",)}
+             "residual_norm_scale_shift": ("residual_norm_scale_shift_fp8",),
+             "norm_scale_shift_select": ("norm_scale_shift_select_fp8",),
+             "residual_norm_scale_shift_select": ("residual_norm_scale_shift_select_fp8",),
+             "add_gate_norm_scale": ("add_gate_norm_scale_fp8",)}
 
 
 def _fp8_form(op: str, arguments: dict, draw: Draw) -> tuple:
