@@ -15,7 +15,8 @@ With ``quantize="fp8"`` (quantize.py) the norms give FP8 rows (``norm_scale_shif
 projections, the single blocks' ``proj_mlp``); each MLP's GELU and the quantisation of its
 hidden state are one ``quantize_fp8`` (quantize.py's FeedForward forward); a single block's
 ``proj_out`` is one FP8 GEMM over its input [attention output, GELU(MLP)], the two quantised
-together by one ``quantize_fp8`` (the attention output its ``prefix``). A block whose processor is not ditops', or one of whose fed Linears
+together by one ``quantize_fp8`` (the attention output its ``prefix``). A block whose
+processor is not ditops', or one of whose fed Linears
 cannot be FP8, keeps bf16 norms. The other Linears (the attention outputs, the modulation)
 quantise their own input; quantize.replace_rest says which stay bf16.
 """
