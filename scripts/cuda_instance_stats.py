@@ -5,6 +5,7 @@ follows their registers (occupancy) and instructions per element (benchmarks/REA
 disassembles the cubin with nvdisasm (`pip install nvidia-cuda-nvdisasm`) and counts the
 instructions by opcode. Usage:
   python scripts/cuda_instance_stats.py modulated_norm --hidden 3072 --affine --sass
+  python scripts/cuda_instance_stats.py modulated_norm --hidden 3072 --fp8 float8_e4m3fn
   python scripts/cuda_instance_stats.py rotary --head-size 128 --dtype float16
 """
 
@@ -51,6 +52,7 @@ def main() -> int:
     parser.add_argument("--param-dtype", default=None, help="weights and modulation (row kernels; default: --dtype)")
     parser.add_argument("--hidden", type=int, default=3072, help="D (row kernels)")
     parser.add_argument("--affine", action="store_true", help="the instance for calls with a norm weight or bias")
+    parser.add_argument("--fp8", default=None, help="y in this FP8 format (the row kernels' _fp8 forms), e.g. float8_e4m3fn")
     parser.add_argument("--head-size", type=int, default=128, help="Dh (rotary)")
     parser.add_argument("--neox", action="store_true", help="the NeoX instance (rotary; default: interleaved)")
     parser.add_argument("--arch", default="sm_90")
@@ -61,7 +63,8 @@ def main() -> int:
         instance = compiled.rotary_instance(dtype, arguments.head_size, not arguments.neox)
     else:
         param_dtype = getattr(torch, arguments.param_dtype or arguments.dtype)
-        instance = compiled.row_instance(arguments.kernel, dtype, param_dtype, arguments.hidden, arguments.affine)
+        instance = compiled.row_instance(arguments.kernel, dtype, param_dtype, arguments.hidden, arguments.affine,
+                                       getattr(torch, arguments.fp8) if arguments.fp8 else None)
     result = nvrtc.compile_instance(instance, arguments.arch)
     print(f"{instance.name_expression} for {arguments.arch}: {result.registers} registers, "
           f"{result.spill_bytes} bytes of spills, {result.stack_bytes} bytes of stack, block {instance.block}")
