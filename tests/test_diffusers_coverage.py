@@ -178,7 +178,7 @@ def test_flux_like_block_with_an_affine_norm2_is_left_alone_and_reported(name):
 
 # ----- the Wan family, matched by block structure ------------------------------------------------
 
-WAN_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift (rms), rope_"}
+WAN_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_ (norm_over=token)"}
 WAN_SHAPE = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
                  text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32)
 
@@ -212,6 +212,15 @@ def tiny_wan_animate():
                              face_pixel_values=torch.randn(2, 3, 2, 8, 8, generator=generator))
 
 
+def tiny_wan_i2v():
+    """Wan I2V: the cross-attentions also attend to image-context k/v (add_k_proj, norm_added_k);
+    diffusers' processor takes the last 512 context tokens as the text."""
+    model = built(diffusers.WanTransformer3DModel, **WAN_SHAPE, image_dim=16, added_kv_proj_dim=32)
+    generator = torch.Generator().manual_seed(2)
+    return model, wan_inputs(encoder_hidden_states=torch.randn(2, 512, 32, generator=generator),
+                             encoder_hidden_states_image=torch.randn(2, 5, 16, generator=generator))
+
+
 def tiny_chronoedit():
     return built(diffusers.ChronoEditTransformer3DModel, **WAN_SHAPE), wan_inputs()
 
@@ -227,6 +236,7 @@ def tiny_skyreels_v2():
 WAN_LIKE = {
     # per Wan block: norm1, norm2, norm3, attn1; the VACE control block: attn1 only
     "wan-vace": (tiny_wan_vace, 2 * 4 + 1),
+    "wan-i2v": (tiny_wan_i2v, 2 * 4),
     "wan-animate": (tiny_wan_animate, 2 * 4),
     "chronoedit": (tiny_chronoedit, 2 * 4),
     "skyreels-v2": (tiny_skyreels_v2, 2 * 4),
@@ -241,19 +251,21 @@ def test_wan_like_patched_matches_diffusers_and_remove_restores_it(name):
     if name == "wan-vace":
         assert report.skipped == ["vace_blocks.0: WanVACETransformerBlock has Wan's block layout but another forward; "
                                   "its norms stay as diffusers wrote them"]
-        assert ("vace_blocks.0.attn1.processor", "norm_scale_shift (rms), rope_") in report.replaced
+        assert ("vace_blocks.0.attn1.processor", "qk_norm_rope_ (norm_over=token)") in report.replaced
     else:
         assert not report.skipped
 
 
 @pytest.mark.parametrize("name", WAN_LIKE)
 def test_wan_like_runs_the_ops(monkeypatch, name):
-    calls = patched_calls(monkeypatch, WAN_LIKE[name][0], ("norm_scale_shift", "residual_norm_scale_shift", "rope_"))
-    # per Wan block: norm1, then q and k RMSNorm; norm2 and norm3 with their residuals; one RoPE;
-    # the VACE control block: q and k RMSNorm, one RoPE
+    calls = patched_calls(monkeypatch, WAN_LIKE[name][0],
+                          ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_", "rope_"))
+    # per Wan block: norm1; norm2 and norm3 with their residuals; the self-attention's q/k norm +
+    # RoPE (I2V's image-context k/v in the cross-attention stays diffusers'); the VACE control
+    # block: its self-attention's
     vace = 1 if name == "wan-vace" else 0
-    assert calls == sorted((["norm_scale_shift"] * 3 + ["residual_norm_scale_shift"] * 2 + ["rope_"]) * 2
-                                   + (["norm_scale_shift"] * 2 + ["rope_"]) * vace)
+    assert calls == sorted((["norm_scale_shift"] + ["residual_norm_scale_shift"] * 2 + ["qk_norm_rope_"]) * 2
+                           + ["qk_norm_rope_"] * vace)
 
 
 def test_skyreels_v2_runs_per_token_modulation_and_the_causal_mask(monkeypatch):
@@ -293,6 +305,59 @@ def test_a_wan_block_with_another_forward_is_left_alone_and_reported():
     report = assert_patched_matches(model, inputs, 2, 2 * 4 - 3, WAN_OPS)
     assert report.skipped == ["blocks.1: Altered has Wan's block layout but another forward; its norms stay as "
                               "diffusers wrote them"]
+
+
+def _norms(norm_class, width, **options):
+    return norm_class(width, **options), norm_class(width, **options)
+
+
+WAN_QK_NORMS = {
+    # blocks.1.attn1's norm_q, norm_k -> (norms, the reason the report gives)
+    "eps": (lambda width: (torch.nn.RMSNorm(width, eps=1e-6), torch.nn.RMSNorm(width, eps=1e-5)),
+            "q/k norms of eps 1e-06 and 1e-05, not one eps (qk_norm_rope_ takes one)"),
+    "eps-none": (lambda width: _norms(torch.nn.RMSNorm, width, eps=None),
+                 "q/k norms with eps=None (the activations' dtype's machine epsilon), not a number"),
+    "layer-norm": (lambda width: _norms(torch.nn.LayerNorm, width, eps=1e-6),
+                   "q/k norms LayerNorm/LayerNorm, not torch.nn.RMSNorm with weights"),
+    "no-weight": (lambda width: _norms(torch.nn.RMSNorm, width, eps=1e-6, elementwise_affine=False),
+                  "q/k norms RMSNorm/RMSNorm, not torch.nn.RMSNorm with weights"),
+    "none": (lambda width: (torch.nn.Identity(), torch.nn.Identity()),
+             "q/k norms Identity/Identity, not torch.nn.RMSNorm with weights"),
+}
+
+
+@pytest.mark.parametrize("name", WAN_QK_NORMS)
+def test_a_wan_self_attention_with_other_q_k_norms_keeps_diffusers_processor_and_is_reported(name):
+    """qk_norm_rope_ takes RMSNorm weights and one eps for q and k; a self-attention whose norms
+    are otherwise runs diffusers' processor, and the report says why."""
+    model, inputs = tiny_chronoedit()
+    attn = model.blocks[1].attn1
+    norms, reason = WAN_QK_NORMS[name]
+    attn.norm_q, attn.norm_k = norms(attn.inner_dim)
+    for norm in (attn.norm_q, attn.norm_k):
+        if getattr(norm, "weight", None) is not None:
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    report = assert_patched_matches(model, inputs, 2, 2 * 4 - 1, WAN_OPS)
+    assert report.skipped == [f"blocks.1.attn1: {reason}; its q/k norms and RoPE stay as diffusers wrote them"]
+    assert ("blocks.0.attn1.processor", "qk_norm_rope_ (norm_over=token)") in report.replaced
+
+
+def test_wan_heads_qk_norm_rope_does_not_take_keep_diffusers_processor_and_are_reported():
+    """A head size over the op's 512 (one head of 516): every self-attention keeps its processor."""
+    model = built(diffusers.WanTransformer3DModel, **dict(WAN_SHAPE, num_attention_heads=1, attention_head_dim=516))
+    report = assert_patched_matches(model, wan_inputs(), 2, 2 * 3, {"norm_scale_shift", "residual_norm_scale_shift"})
+    assert report.skipped == [f"blocks.{index}.attn1: head size 516, not an even one up to 512 (qk_norm_rope_'s); its "
+                              "q/k norms and RoPE stay as diffusers wrote them" for index in range(2)]
+
+
+def test_wan_q_k_norm_weights_of_a_dtype_qk_norm_rope_does_not_take_are_reported():
+    model, _ = tiny_chronoedit()
+    norm = model.blocks[0].attn1.norm_k
+    norm.weight = torch.nn.Parameter(norm.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    report = integration.apply(model)
+    assert report.skipped == ["blocks.0.attn1: q/k norm weights of dtype torch.float32/torch.float8_e4m3fn, not one "
+                              "qk_norm_rope_ takes; its q/k norms and RoPE stay as diffusers wrote them"]
+    integration.remove(model)
 
 
 # ----- SD3 / SD3.5 -------------------------------------------------------------------------------

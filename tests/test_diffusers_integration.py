@@ -163,7 +163,7 @@ def tiny_z_image(dtype, heads: int = 2):
 
 MODELS = {
     "z-image": (tiny_z_image, {"norm_scale_shift", "add_gate_norm_scale", "add_gate_norm", "qk_norm_rope_"}),
-    "wan": (tiny_wan, {"norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift (rms), rope_"}),
+    "wan": (tiny_wan, {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_ (norm_over=token)"}),
     "qwen-image": (tiny_qwen, {"norm_scale_shift (select with modulate_index)",
                                "residual_norm_scale_shift (select with modulate_index)", "qk_norm_rope_"}),
     "qwen-image-edit": (lambda dtype: tiny_qwen(dtype, edit=True),
@@ -208,13 +208,16 @@ def test_z_image_runs_the_gated_add_ops(monkeypatch):
     assert sorted(calls) == sorted(["norm_scale_shift", "add_gate_norm_scale", "add_gate_norm"] * 3 + ["qk_norm_rope_"] * 4)
 
 
-def test_wan_runs_the_norm_ops_on_q_k_and_both_residuals(monkeypatch):
+def test_wan_runs_the_norm_ops_and_one_token_norm_qk_norm_rope_per_self_attention(monkeypatch):
     model, inputs, _ = tiny_wan(torch.float32)
     integration.apply(model)
-    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "residual_norm_scale_shift", "rope_"))
+    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_", "rope_"))
+    norm_over, recorded = [], integration.ops.qk_norm_rope_
+    monkeypatch.setattr(integration.ops, "qk_norm_rope_", lambda *a, **k: norm_over.append(k.get("norm_over")) or recorded(*a, **k))
     run(model, inputs)
-    # per block: norm1, then q and k RMSNorm; norm2 and norm3 with their residuals; one RoPE
-    assert sorted(calls) == sorted((["norm_scale_shift"] * 3 + ["residual_norm_scale_shift"] * 2 + ["rope_"]) * 2)
+    # per block: norm1; norm2 and norm3 with their residuals; the self-attention's q/k norm + RoPE
+    assert sorted(calls) == sorted((["norm_scale_shift"] + ["residual_norm_scale_shift"] * 2 + ["qk_norm_rope_"]) * 2)
+    assert norm_over == ["token"] * 2
 
 
 def test_an_unsupported_model_is_left_untouched_with_one_warning():
@@ -253,7 +256,7 @@ def test_torch_compile_of_the_patched_model_adds_no_graph_break(name):
 
 GRAPH_OPS = {
     "flux": ["norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"],
-    "wan": ["norm_scale_shift", "residual_norm_scale_shift", "rope_"],
+    "wan": ["norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"],
     "qwen-image": ["norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"],
     "z-image": ["norm_scale_shift", "add_gate_norm_scale", "add_gate_norm", "qk_norm_rope_"],
 }

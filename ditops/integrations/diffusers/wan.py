@@ -14,11 +14,19 @@ checked (below).
 - The float32-modulated ``norm1`` -> ``norm_scale_shift``; the gated self-attention residual
   with the affine ``norm2``, and the cross-attention residual (gate 1) with ``norm3`` and its
   modulation -> ``residual_norm_scale_shift``.
-- In self-attention, the q/k RMSNorm across all heads -> ``norm_scale_shift`` (norm="rms", no
-  modulation) and the RoPE -> ``rope_``, on the cos/sin that the model's ``rope`` module hands
-  the block: one row per token of the sequence the block sees. Under context parallelism the
-  plan splits those outputs along the sequence together with ``blocks.0``'s hidden states, so
-  both are this shard's and the shard's rows start at row 0 of its table (no offset).
+- In self-attention (``attn1``, the calls with rotary tables), the q/k RMSNorm over all heads
+  of a token and the interleaved RoPE -> one ``qk_norm_rope_(norm_over="token")``, on the
+  cos/sin that the model's ``rope`` module hands the block: one row per token of the sequence
+  the block sees. Under context parallelism the plan splits those outputs along the sequence
+  together with ``blocks.0``'s hidden states, so both are this shard's and the shard's rows
+  start at row 0 of its table (no offset). A self-attention keeps diffusers' processor, named
+  in the report with the reason, where its processor is not one checked, its norm_q/norm_k
+  are not ``torch.nn.RMSNorm``s with weights of a dtype the op takes and one number as eps (the
+  op takes one eps), or its heads are not ones the op takes (one even head size up to 512 for
+  q and k, the norms over all of a token's heads). Calls the processor does not cover go to
+  diffusers' (``WanQKNormRopeProcessor`` says which).
+- The cross-attention (``attn2``: no RoPE; in I2V models also the image-context k/v) keeps its
+  processor and norms.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import types
 
 import torch
 
-from ... import ops
+from ... import ops, validation
 from ...fp8 import Float8Rows
 from . import patching, quantize
 
@@ -74,7 +82,7 @@ def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_
     ``fp8``, norm1 gives the ditops self-attention processor FP8 rows (another processor gets
     bf16) and norm3 gives them to the FFN; norm2 feeds the cross-attention's query in bf16."""
     shift_msa, scale_msa, gate_msa, context_shift, context_scale, context_gate = chunks
-    if fp8 and type(self.attn1.processor) is WanNormRopeProcessor:
+    if fp8 and type(self.attn1.processor) is WanQKNormRopeProcessor:
         norm_hidden_states = Float8Rows(*ops.norm_scale_shift_fp8(hidden_states, scale_msa, shift_msa,
                                                                   eps=self.norm1.eps))
     else:
@@ -100,11 +108,15 @@ def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_
     return (hidden_states.float() + feed_forward.float() * context_gate).type_as(hidden_states)
 
 
-class WanNormRopeProcessor(patching.DitopsProcessor):
-    """diffusers' WanAttnProcessor for self-attention with Wan's q/k RMSNorm across all heads
-    as norm_scale_shift (norm="rms", no modulation) and its interleaved RoPE as rope_ on q and
-    k. Calls without rotary embeddings, with tables other than one [1, S, 1, Dh] for all batch
-    items and heads, or with context (cross-attention) go to the original."""
+QK_NORM_ROPE = "qk_norm_rope_ (norm_over=token)"  # the report's op for a self-attention
+
+
+class WanQKNormRopeProcessor(patching.DitopsProcessor):
+    """diffusers' WanAttnProcessor for self-attention with Wan's q/k RMSNorm over all heads of a
+    token and its interleaved RoPE as one qk_norm_rope_(norm_over="token"). Calls without
+    rotary embeddings, with tables other than one [1, S, 1, Dh] for all batch items and heads,
+    with context (cross-attention, I2V's image context) or with a hook on norm_q/norm_k go to
+    the original."""
 
     bypassed = ("norm_q", "norm_k")
 
@@ -116,13 +128,15 @@ class WanNormRopeProcessor(patching.DitopsProcessor):
                 or patching.hooked(attn, self.bypassed)):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        no_modulation = query.new_zeros(())
-        query, key = (ops.norm_scale_shift(t, no_modulation, no_modulation, weight=norm.weight, norm="rms", eps=norm.eps)
-                      for t, norm in ((query, attn.norm_q), (key, attn.norm_k)))
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         cos, sin = rotary_emb  # [1, S, 1, Dh] each, every pair's value repeated (diffusers reads sin at odd columns)
         cache = torch.cat([cos[0, :, 0, 0::2], sin[0, :, 0, 1::2]], dim=1)
-        ops.rope_(query, key, cache if cache.dtype != torch.float64 else cache.float())
+        if cache.dtype == torch.float64 and query.dtype != torch.float64:
+            cache = cache.float()  # diffusers' float64 tables: the GPU backends take float32 caches
+        # q and k as returned: under torch.compile on a GPU those are the graph's new tensors, which
+        # spare the graph writing them back into the projection first (with fused to_qkv, a copy of it)
+        query, key = ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache,
+                                       eps=attn.norm_q.eps, norm_over="token")
         out = self.attention(query, key, value, attention_mask).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -152,10 +166,31 @@ def _processors() -> tuple:
             transformer_wan_animate.WanAttnProcessor, SkyReelsV2AttnProcessor)
 
 
-def _attention_supported(attn) -> bool:
-    return type(attn.processor) in _processors() and all(
-        type(norm) is torch.nn.RMSNorm and norm.weight is not None and norm.eps is not None
-        for norm in (attn.norm_q, attn.norm_k))
+def _attention_refusal(attn) -> str | None:
+    """Why the self-attention ``attn`` keeps diffusers' processor, or None where
+    WanQKNormRopeProcessor computes what it does."""
+    if type(attn.processor) not in _processors():
+        return f"processor {type(attn.processor).__name__} is not one checked"
+    norms = (attn.norm_q, attn.norm_k)
+    if not all(type(norm) is torch.nn.RMSNorm and norm.weight is not None for norm in norms):
+        return (f"q/k norms {type(attn.norm_q).__name__}/{type(attn.norm_k).__name__}, not torch.nn.RMSNorm "
+                "with weights")
+    if attn.norm_q.eps is None or attn.norm_k.eps is None:
+        return "q/k norms with eps=None (the activations' dtype's machine epsilon), not a number"
+    if attn.norm_q.eps != attn.norm_k.eps:
+        return f"q/k norms of eps {attn.norm_q.eps} and {attn.norm_k.eps}, not one eps (qk_norm_rope_ takes one)"
+    width, heads = attn.inner_dim, attn.heads
+    if attn.kv_inner_dim != width or width % heads:  # diffusers splits q and k into `heads` heads each
+        return f"q/k widths {width}/{attn.kv_inner_dim} over {heads} heads, not one head size for q and k"
+    if width // heads % 2 or not 2 <= width // heads <= validation.MAX_HEAD_SIZE:
+        return f"head size {width // heads}, not an even one up to {validation.MAX_HEAD_SIZE} (qk_norm_rope_'s)"
+    if any(tuple(norm.normalized_shape) != (width,) for norm in norms):
+        return (f"q/k norms over {tuple(attn.norm_q.normalized_shape)}/{tuple(attn.norm_k.normalized_shape)}, "
+                f"not over all {width} values of a token")
+    if any(norm.weight.dtype not in validation.ACTIVATION_DTYPES for norm in norms):
+        return (f"q/k norm weights of dtype {attn.norm_q.weight.dtype}/{attn.norm_k.weight.dtype}, not one "
+                "qk_norm_rope_ takes")
+    return None
 
 
 _LAYOUT = ("norm1", "attn1", "attn2", "norm2", "norm3", "ffn", "scale_shift_table")
@@ -191,8 +226,12 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     for path, block in list(model.named_modules()):
         if not all(hasattr(block, name) for name in _LAYOUT):
             continue
-        patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", _attention_supported(block.attn1),
-                                   WanNormRopeProcessor, "norm_scale_shift (rms), rope_")
+        refusal = _attention_refusal(block.attn1)
+        if refusal is None:
+            patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", True, WanQKNormRopeProcessor,
+                                       QK_NORM_ROPE)
+        else:
+            report.skipped.append(f"{path}.attn1: {refusal}; its q/k norms and RoPE stay as diffusers wrote them")
         forward = _ditops_forward(block)
         if forward is None:
             report.skipped.append(f"{path}: {type(block).__name__} has Wan's block layout but another forward; "
@@ -216,7 +255,7 @@ def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     ditops', the FFN with its GELU + quantisation fused); True where those norms may give FP8
     rows (norm1 only to the ditops processor: ``_modulated_block`` checks it at every call)."""
     linears = []
-    if type(block.attn1.processor) is WanNormRopeProcessor:
+    if type(block.attn1.processor) is WanQKNormRopeProcessor:
         linears = quantize.fed(block.attn1, ("to_q", "to_k", "to_v"), f"{path}.attn1")
     feed_forwards = {f"{path}.ffn": block.ffn}
     return quantize.replace_fed_with_feed_forwards(patches, report, linears, feed_forwards, fp8_dtype, path)
