@@ -3,11 +3,20 @@
 Blocks at real widths: FLUX.1 (one double and one single block; 512px = 1024 image tokens
 and 1024px = 4096, plus 512 text tokens; width 3072, 24 heads), Wan2.1-1.3B (one block, 480p
 81 frames = 32760 tokens), Qwen-Image (one block, 1024px: 4096 image + 512 text tokens),
-Z-Image (one layer, 1024px: 4096 + 512 tokens, width 3840, 30 heads). Each is built inside a
-one-layer diffusers model (so that ditops.integrations.diffusers.apply sees the real classes)
-and fed what the model would give it. A forward is ``--blocks`` steps chained back to back,
-each fed the previous one's output, as the 19 to 60 blocks of a model run; torch.compile
-compiles the step once and calls it per block, as diffusers' regional compilation does.
+Z-Image (one layer, 1024px: 4096 + 512 tokens, width 3840, 30 heads), FLUX.2 dev (one double
+and one single block, 1024px: 4096 image + 512 text tokens, width 6144, 48 heads of 128),
+HunyuanVideo 1.5 (one block, 480p = 480x848, 61 frames: 16 x 30 x 53 = 25440 video tokens +
+1985 text rows (729 image, 256 ByT5, 1000 Qwen2.5-VL; a 256-token prompt, the rest masked),
+width 2048, 16 heads of 128), LTX-2 (one block, both streams, the pipeline's default
+512x768, 121 frames at 24 fps: 16 x 16 x 24 = 6144 video tokens, width 4096, 32 heads of
+128, split RoPE; 126 audio tokens, width 2048, 32 heads of 64; 1024 text tokens per stream),
+SD3.5 Large (the first of two blocks, 1024px: 4096 image + 333 text tokens (77 CLIP + 256
+T5, the pipeline's default), width 2432, 38 heads of 64, per-head q/k RMSNorm). Each is
+built inside a one-layer diffusers model (so that ditops.integrations.diffusers.apply sees
+the real classes; SD3.5's has two, as its last block drops the text stream) and fed what the
+model would give it. A forward is ``--blocks`` steps chained back to back, each fed the
+previous one's output, as the 19 to 60 blocks of a model run; torch.compile compiles the
+step once and calls it per block, as diffusers' regional compilation does.
 
 Modes: ``eager``, ``compile`` (torch.compile default mode) and ``reduce-overhead`` (CUDA
 graphs). Per model, resolution and mode: ``baseline_ms`` (diffusers) and ``ditops_ms`` per
@@ -22,7 +31,8 @@ alternating which way goes first; a round is the median of 5 CUDA-event timings 
 warm-up.
 
 Writes benchmarks/results/models_<GPU>_<date>.json: {"device", "rows": [...]}.
-Usage: python benchmarks/models.py [--output FILE] [--models flux wan qwen-image z-image] [--modes ...]
+Usage: python benchmarks/models.py [--output FILE] [--models flux wan qwen-image z-image flux2
+       hunyuan-video-1.5 ltx-2 sd3.5] [--modes ...]
        python benchmarks/models.py --table FILE   # the README's table of a results file
 """
 
@@ -135,8 +145,116 @@ def z_image():
     return model, prepare
 
 
-MODELS = {"flux": flux, "wan": wan, "qwen-image": qwen_image, "z-image": z_image}
-RESOLUTIONS = {"flux": (512, 1024), "wan": ("480p",), "qwen-image": (1024,), "z-image": (1024,)}
+def flux2(image: int = 4096, text: int = 512):
+    from diffusers import Flux2Transformer2DModel
+
+    model = Flux2Transformer2DModel(num_layers=1, num_single_layers=1)  # FLUX.2 dev widths: 6144, 48 heads of 128
+
+    def prepare(model):
+        side, width = int(image ** 0.5), model.inner_dim
+        # the pipeline's (t, h, w, l) positions: text (0, 0, 0, l), image (0, h, w, 0)
+        ids = torch.cat([torch.cartesian_prod(*map(torch.arange, (1, 1, 1, text))),
+                         torch.cartesian_prod(*map(torch.arange, (1, side, side, 1)))]).to(model.device)
+        with torch.no_grad():  # the model's modulations: once per step, shared by all blocks of a kind
+            temb = randn(1, width)
+            image_mod, text_mod = model.double_stream_modulation_img(temb), model.double_stream_modulation_txt(temb)
+            single_mod = model.single_stream_modulation(temb)
+        rotary = model.pos_embed(ids)
+
+        def step(state):
+            hidden, context = state
+            context, hidden = model.transformer_blocks[0](hidden, context, image_mod, text_mod, rotary)
+            context, hidden = model.single_transformer_blocks[0](hidden, context, single_mod, rotary,
+                                                                 split_hidden_states=True)
+            return hidden, context
+
+        return step, (randn(1, image, width), randn(1, text, width))
+    return model, prepare
+
+
+def hunyuan_video_15(latent: tuple = (16, 30, 53), text: int = 729 + 256 + 1000, prompt: int = 256):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    model = HunyuanVideo15Transformer3DModel(num_layers=1)  # HunyuanVideo 1.5 widths: 2048, 16 heads of 128
+
+    def prepare(model):
+        width = model.config.num_attention_heads * model.config.attention_head_dim
+        rotary = model.rope(randn(1, model.config.in_channels, *latent))
+        # text-to-video: of the 729 image, 256 ByT5 and 1000 Qwen2.5-VL rows, the prompt's come first
+        # (the model moves the padding behind the valid rows); the rest are masked
+        mask = (torch.arange(text, device=model.device) < prompt).unsqueeze(0)
+        temb = randn(1, width)
+
+        def step(state):
+            return model.transformer_blocks[0](state[0], state[1], temb, mask, rotary)
+
+        return step, (randn(1, latent[0] * latent[1] * latent[2], width), randn(1, text, width))
+    return model, prepare
+
+
+def ltx2(latent: tuple = (16, 16, 24), audio: int = 126, text: int = 1024):
+    from diffusers import LTX2VideoTransformer3DModel
+
+    # LTX-2 (19B) widths: video 4096 (32 heads of 128), audio 2048 (32 heads of 64); its split RoPE
+    model = LTX2VideoTransformer3DModel(num_layers=1, rope_type="split")
+
+    def prepare(model):
+        config = model.config
+        width, audio_width = (config.num_attention_heads * config.attention_head_dim,
+                              config.audio_num_attention_heads * config.audio_attention_head_dim)
+        video_coords = model.rope.prepare_video_coords(1, *latent, model.device, fps=24.0)
+        audio_coords = model.audio_rope.prepare_audio_coords(1, audio, model.device)
+        timestep = torch.full((1,), 500.0, device=model.device)
+
+        def modulation(embedding):
+            return embedding(timestep, batch_size=1, hidden_dtype=DTYPE)[0].view(1, 1, -1)
+
+        with torch.no_grad():  # the model's modulations: once per step, shared by all blocks
+            arguments = dict(
+                temb=modulation(model.time_embed), temb_audio=modulation(model.audio_time_embed),
+                temb_ca_scale_shift=modulation(model.av_cross_attn_video_scale_shift),
+                temb_ca_audio_scale_shift=modulation(model.av_cross_attn_audio_scale_shift),
+                temb_ca_gate=modulation(model.av_cross_attn_video_a2v_gate),
+                temb_ca_audio_gate=modulation(model.av_cross_attn_audio_v2a_gate))
+        # the connectors' text (learnable registers in the padding: all rows kept), as the model's additive bias
+        bias = torch.zeros(1, 1, text, device=model.device, dtype=DTYPE)
+        arguments.update(
+            encoder_hidden_states=randn(1, text, width), audio_encoder_hidden_states=randn(1, text, audio_width),
+            video_rotary_emb=model.rope(video_coords), audio_rotary_emb=model.audio_rope(audio_coords),
+            ca_video_rotary_emb=model.cross_attn_rope(video_coords[:, 0:1]),
+            ca_audio_rotary_emb=model.cross_attn_audio_rope(audio_coords[:, 0:1]),
+            encoder_attention_mask=bias, audio_encoder_attention_mask=bias)
+
+        def step(state):
+            return model.transformer_blocks[0](state[0], state[1], **arguments)
+
+        return step, (randn(1, latent[0] * latent[1] * latent[2], width), randn(1, audio, audio_width))
+    return model, prepare
+
+
+def sd35(image: int = 4096, text: int = 77 + 256):
+    from diffusers import SD3Transformer2DModel
+
+    # SD3.5 Large widths: 2432, 38 heads of 64, per-head q/k RMSNorm; two layers, as the last one (its
+    # text stream ends at its attention) is not the block the other 37 are: the first is timed
+    model = SD3Transformer2DModel(num_layers=2, num_attention_heads=38, attention_head_dim=64,
+                                  caption_projection_dim=2432, pos_embed_max_size=192, qk_norm="rms_norm")
+
+    def prepare(model):
+        width, temb = model.inner_dim, randn(1, model.inner_dim)
+
+        def step(state):
+            context, hidden = model.transformer_blocks[0](state[0], state[1], temb)
+            return hidden, context
+
+        return step, (randn(1, image, width), randn(1, text, width))
+    return model, prepare
+
+
+MODELS = {"flux": flux, "wan": wan, "qwen-image": qwen_image, "z-image": z_image, "flux2": flux2,
+          "hunyuan-video-1.5": hunyuan_video_15, "ltx-2": ltx2, "sd3.5": sd35}
+RESOLUTIONS = {"flux": (512, 1024), "wan": ("480p",), "qwen-image": (1024,), "z-image": (1024,), "flux2": (1024,),
+               "hunyuan-video-1.5": ("480p",), "ltx-2": ("512x768",), "sd3.5": (1024,)}
 
 
 def chained(step, state, blocks: int):
