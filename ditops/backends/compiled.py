@@ -75,10 +75,12 @@ def divisor(d: int) -> tuple:
 
 def _row_layout(name: str, dtype: torch.dtype, hidden: int) -> tuple:
     """(threads per row, chunks, block, min_blocks) of the first row class with max_hidden >= D;
-    name: the kernel's key in the class's min_blocks."""
+    name: the kernel's key in the class's min_blocks and layouts (a kernel's own threads and
+    chunks, where they differ from the class's)."""
     for entry in _launch_settings()["rows"]:
         if hidden <= entry["max_hidden"]:
-            threads, chunks = entry["row_threads"], entry["chunks"]
+            layout = entry.get("layouts", {}).get(name, entry)
+            threads, chunks = layout["row_threads"], layout["chunks"]
             # float32 rows take twice the registers: capped as tightly, they spill
             min_blocks = entry.get("min_blocks", {}).get(name, 1) if dtype != torch.float32 else 1
             return threads, chunks, max(threads, MIN_ROW_BLOCK), min_blocks

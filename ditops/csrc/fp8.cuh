@@ -1,7 +1,7 @@
 // The FP8 formats of the *_fp8 ops' outputs (docs/ops.md section 7), and a conversion to them
 // from float written with integer and float arithmetic alone: ROCm 5.2 has no FP8 header, and
 // CUDA's converts to OCP e4m3 only. portability.cuh includes this header and specialises
-// fp8_bits where the hardware converts; tests/test_fp8_conversion.py compiles it for the host
+// fp8_pair_bits where the hardware converts; tests/test_fp8_conversion.py compiles it for the host
 // and checks float_to_fp8_bits against torch's casts. Needs __device__, __float_as_uint,
 // __uint_as_float and fminf from its includer.
 #pragma once
@@ -49,7 +49,8 @@ __device__ inline unsigned float_to_fp8_bits(float value) {
     return code | sign;
 }
 
-// The conversion the kernels use: this one unless the platform specialises it for a format its
-// hardware converts to (portability.cuh).
+// The conversion the kernels use, two values at a time (a's code in the low byte): this one
+// unless the platform specialises it for a format its hardware converts to (portability.cuh),
+// which converts pairs in one instruction.
 template <typename F>
-__device__ inline unsigned fp8_bits(float value) { return float_to_fp8_bits<F>(value); }
+__device__ inline unsigned fp8_pair_bits(float a, float b) { return float_to_fp8_bits<F>(a) | float_to_fp8_bits<F>(b) << 8; }

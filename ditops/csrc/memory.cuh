@@ -79,12 +79,8 @@ __device__ inline void store_chunk(T* target, const float (&values)[kChunk]) {
 // where their 16-bit or float inputs are 16-byte aligned. Two words, not an array (as above).
 template <typename F>
 __device__ inline void store_fp8_chunk(F* target, const float (&values)[kChunk]) {
-    unsigned low = 0, high = 0;
-#pragma unroll
-    for (int e = 0; e < kChunk / 2; ++e) {
-        low |= fp8_bits<F>(values[e]) << (8 * e);
-        high |= fp8_bits<F>(values[e + kChunk / 2]) << (8 * e);
-    }
+    const unsigned low = fp8_pair_bits<F>(values[0], values[1]) | fp8_pair_bits<F>(values[2], values[3]) << 16;
+    const unsigned high = fp8_pair_bits<F>(values[4], values[5]) | fp8_pair_bits<F>(values[6], values[7]) << 16;
     *reinterpret_cast<uint2*>(target) = make_uint2(low, high);
 }
 

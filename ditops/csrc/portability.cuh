@@ -89,8 +89,8 @@ template <> __device__ inline unsigned float_to_bits<bfloat16>(float value) {
 // e4m3fnuz, which no NVIDIA GPU has, in software (fp8.cuh): that path can run on NVIDIA too.
 #include <cuda_fp8.h>
 #include "fp8.cuh"
-template <> __device__ inline unsigned fp8_bits<float8_e4m3fn>(float value) {
-    return __nv_cvt_float_to_fp8(value, __NV_SATFINITE, __NV_E4M3);
+template <> __device__ inline unsigned fp8_pair_bits<float8_e4m3fn>(float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
 #endif

@@ -7,8 +7,13 @@
 struct Sum {
     __device__ float operator()(float a, float b) const { return a + b; }
 };
-struct Max {
-    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+// max(|a|, |b|) compared by their bits, which for magnitudes are ordered as the numbers, with
+// NaN above Inf: a NaN is kept (fmaxf would drop it), in two integer instructions a value.
+__device__ inline float magnitude_max(float a, float b) {
+    return __uint_as_float(max(__float_as_uint(a) & 0x7fffffffu, __float_as_uint(b) & 0x7fffffffu));
+}
+struct MagnitudeMax {
+    __device__ float operator()(float a, float b) const { return magnitude_max(a, b); }
 };
 
 // Groups no wider than a warp reduce with lane exchanges alone; wider groups also combine their
@@ -39,9 +44,8 @@ __device__ inline float group_reduce(float value, Op op) {
 template <int GROUP, int BLOCK>
 __device__ inline float group_sum(float value) { return group_reduce<GROUP, BLOCK>(value, Sum()); }
 
-// fmaxf drops NaN: callers map what must not be dropped to a number first.
 template <int GROUP, int BLOCK>
-__device__ inline float group_max(float value) { return group_reduce<GROUP, BLOCK>(value, Max()); }
+__device__ inline float group_magnitude_max(float value) { return group_reduce<GROUP, BLOCK>(value, MagnitudeMax()); }
 
 // Groups of any width up to a warp, starting at any lane (the rotary kernel's heads of Dh / 8
 // lanes): a fixed tree into the group's first lane, which every lane then reads, so all get

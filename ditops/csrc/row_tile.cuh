@@ -245,7 +245,7 @@ struct QuantizedRow {
 
     // Dynamic (static_scale == nullptr): the scale is max(amax, 1e-12) / F::kMax, NaN for a row
     // holding NaN or Inf, so that all its values are NaN; static: *static_scale. Values beyond
-    // +-F::kMax saturate (fp8_bits). Every thread of the block must call this (group_max).
+    // +-F::kMax saturate (fp8_pair_bits). Every thread of the block must call this (group_magnitude_max).
     template <int BLOCK>
     __device__ void store(F* y, float* y_scale, const float* static_scale, const RowPosition& at, long long hidden) const {
         constexpr float kLargest = 3.40282347e38f;  // FLT_MAX: NaN and Inf are not at or below it
@@ -258,13 +258,9 @@ struct QuantizedRow {
             for (int i = 0; i < CHUNKS; ++i) {
                 if (!at.holds(i)) continue;
 #pragma unroll
-                for (int e = 0; e < kChunk; ++e) {
-                    const float magnitude = fabsf(values[i][e]);
-                    // NaN counts as Inf: fmaxf would drop it
-                    amax = fmaxf(amax, magnitude <= kLargest ? magnitude : __uint_as_float(0x7f800000u));
-                }
+                for (int e = 0; e < kChunk; ++e) amax = magnitude_max(amax, values[i][e]);
             }
-            amax = group_max<ROW_THREADS, BLOCK>(amax);
+            amax = group_magnitude_max<ROW_THREADS, BLOCK>(amax);
             scale = amax <= kLargest ? fmaxf(amax, 1e-12f) / F::kMax : __uint_as_float(0x7fc00000u);
         }
         const float inverse = 1.0f / scale;  // one division per row: an IEEE division per value costs more

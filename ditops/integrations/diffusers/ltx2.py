@@ -27,7 +27,8 @@ token (per-token timesteps), both forms the ops take.
   (LTX-Video; diffusers 0.42.1's own context parallelism fails on LTX-2, with or without ditops).
   The q/k RMSNorm (over all heads together, not per head as ``qk_norm_rope_`` computes) stays
   diffusers' ``norm_q`` / ``norm_k``. Calls with a mask, with STG perturbation, or with tables
-  of another shape go to diffusers' processor.
+  of another shape go to diffusers' processor, and so do calls under torch.compile (the tables'
+  conversion into rope_'s cache costs more there than the fused RoPE saves).
 
 Left as diffusers wrote them: the text cross-attentions (q/k RMSNorm without RoPE), the FFNs'
 gated adds (no norm follows them in the block), the prompt modulation of the text, the output
@@ -202,7 +203,12 @@ class LTXRopeProcessor(patching.DitopsProcessor):
     through dispatch_attention_fn with this processor's backend and parallel config."""
 
     def fits(self, attn, hidden_states, context, query_table, key_table, rope_type) -> bool:
-        return (_table_fits(query_table, rope_type, *hidden_states.shape[:2], attn.inner_dim, attn.head_dim)
+        # Under torch.compile diffusers' RoPE stays: rope_'s cache is a copy of the tables per
+        # call (split: [B, H, S, Dh / 2] transposed to token-major rows), which Inductor's fused
+        # RoPE does without, reading the tables where they lie (H100, benchmarks/models.py,
+        # LTX-2 512x768: compiled 0.93x diffusers with rope_, 1.01x without; CUDA graphs 0.95x
+        # and 0.985x).
+        return (not torch.compiler.is_compiling() and _table_fits(query_table, rope_type, *hidden_states.shape[:2], attn.inner_dim, attn.head_dim)
                 and _table_fits(key_table, rope_type, *context.shape[:2], attn.inner_kv_dim, attn.head_dim))
 
     def rotary_attention(self, attn, hidden_states, context, query_table, key_table, rope_type) -> torch.Tensor:
