@@ -105,6 +105,9 @@ def candidates(case: BenchCase, arguments: dict, explanation, wanted: Optional[s
             found.append((row.backend, lambda a, name=row.backend: (lambda: PUBLIC[op](**a, backend=name)), ""))
     eager = baselines.EAGER[op]
     found.append(("eager", lambda a: (lambda: eager(**a)), ""))
+    # dynamo caches compiled code by the function's code object, shared by an op's cases: past
+    # its recompile limit (8) an op's next shape would fail under fullgraph
+    torch._dynamo.reset()
     compiled = torch.compile(eager, dynamic=False, fullgraph=True)
     found.append(("torch.compile", lambda a: (lambda: compiled(**a)), ""))
     for peer, status in baselines.peer_status().items():
