@@ -3,6 +3,8 @@ D = 1536), with their real argument forms (float32 [1, 1, D] modulation chunks, 
 for an absent scale and shift, bf16 weights): the selected implementation's CUDA-graph time
 with rotating inputs, and the percentage of this GPU's copy bandwidth. It found the
 per-column load of scalar modulation in the Triton row kernels (row_math.load_modulation).
+The self-attention's q/k RMSNorm and RoPE are one qk_norm_rope_(norm_over="token") call: its
+`ditops bench` rows (Wan2.1 token norm).
 Usage: python benchmarks/wan_norm_calls.py
 """
 
@@ -24,8 +26,6 @@ def wan_calls() -> list:
     return [
         ("norm1: LayerNorm, float32 [1, 1, D] scale/shift", 2,
          lambda x, residual: ditops.norm_scale_shift(x, scale, shift)),
-        ("q/k RMSNorm: bf16 weight, 0-dim zero scale/shift", 2,
-         lambda x, residual: ditops.norm_scale_shift(x, zero.bfloat16(), zero.bfloat16(), weight=weight, norm="rms")),
         ("norm2: residual + float32 gate, float32 0-dim zeros, bf16 weight/bias", 4,
          lambda x, residual: ditops.residual_norm_scale_shift(x, residual, gate, zero, zero, weight=weight, bias=bias)),
         ("norm3: residual (no gate), float32 [1, 1, D] scale/shift", 4,

@@ -25,9 +25,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
 
 BENCH = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-26.json", "H200": RESULTS / "NVIDIA-H200_2026-11-26.json"}
-MODELS = {"H100": RESULTS / "models_H100_2026-11-26.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
+MODELS = {"H100": RESULTS / "models_H100_2026-11-27.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
 MULTIGPU = RESULTS / "multigpu_H100x2_2026-11-25.json"
-BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-27.json"}  # the FP8 ops' `ditops bench --ops` run
+BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-27.json"}  # the FP8 ops' and qk_norm_rope_'s `ditops bench --ops` run
 FP8 = RESULTS / "fp8_H100_2026-11-27.json"
 
 # The README's headline rows: per op, one real model shape (the `model` of a bench case).
@@ -111,25 +111,22 @@ def models_full(gpu: str) -> str:
 
 
 def models_headline() -> str:
-    """Both GPUs' `benchmarks/models.py` files side by side, the HEADLINE_MODES rows: ms per forward."""
+    """Both GPUs' `benchmarks/models.py` files side by side, a row per model and resolution, a
+    column per GPU and HEADLINE_MODES mode: diffusers -> ditops ms per forward (speedup)."""
     documents = {gpu: json.loads(path.read_text()) for gpu, path in MODELS.items()}
     captions = "; ".join(_models_caption(path) for path in MODELS.values())
-    header = "| model | resolution | mode | " + " | ".join(
-        f"{gpu} diffusers (ms) | {gpu} ditops (ms) | {gpu} speedup" for gpu in documents) + " |"
-    lines = [f"**{captions}**", "", header, "|---|---|---|" + "---|---|---|" * len(documents)]
+    columns = [(gpu, mode) for gpu in documents for mode in HEADLINE_MODES]
+    header = "| model | resolution | " + " | ".join(f"{gpu} {mode} (ms)" for gpu, mode in columns) + " |"
+    lines = [f"**{captions}**", "", header, "|---|---|" + "---|" * len(columns)]
     keyed = {gpu: {(row["model"], row["resolution"], row["mode"]): row for row in document["rows"]}
              for gpu, document in documents.items()}
     first = next(iter(documents.values()))
-    for row in first["rows"]:
-        if row["mode"] not in HEADLINE_MODES:
-            continue
-        key = (row["model"], row["resolution"], row["mode"])
+    for model, resolution in dict.fromkeys((row["model"], row["resolution"]) for row in first["rows"]):
         cells = []
-        for gpu in documents:
-            other = keyed[gpu].get(key)
-            cells.append("- | - | -" if other is None else
-                         f"{other['baseline_ms']:.2f} | {other['ditops_ms']:.2f} | {other['speedup']:.2f}x")
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+        for gpu, mode in columns:
+            row = keyed[gpu].get((model, resolution, mode))
+            cells.append("-" if row is None else f"{row['baseline_ms']:.2f} -> {row['ditops_ms']:.2f} ({row['speedup']:.2f}x)")
+        lines.append(f"| {model} | {resolution} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
