@@ -27,8 +27,9 @@ DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
 BENCH = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-26.json", "H200": RESULTS / "NVIDIA-H200_2026-11-26.json"}
 MODELS = {"H100": RESULTS / "models_H100_2026-11-27.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
 MULTIGPU = RESULTS / "multigpu_H100x2_2026-11-25.json"
-BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-27.json"}  # the FP8 ops' and qk_norm_rope_'s `ditops bench --ops` run
-FP8 = RESULTS / "fp8_H100_2026-11-27.json"
+# the FP8 ops' and qk_norm_rope_'s `ditops bench --ops` runs
+BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-27.json", "H200": RESULTS / "NVIDIA-H200_2026-11-27.json"}
+FP8 = {"H100": RESULTS / "fp8_H100_2026-11-27.json", "H200": RESULTS / "fp8_H200_2026-11-27.json"}
 
 # The README's headline rows: per op, one real model shape (the `model` of a bench case).
 HEADLINE = (
@@ -130,11 +131,43 @@ def models_headline() -> str:
     return "\n".join(lines)
 
 
-def fp8_full() -> str:
-    """The `benchmarks/fp8.py` file, as `fp8.py --table` prints it."""
-    document = json.loads(FP8.read_text())
-    return (f"**{document['device']}, torch {document['torch']}, torchao {document['torchao']}, {document['date']} "
-            f"(`{_relative(FP8)}`)**\n\n" + _benchmark_module("fp8").table(FP8))
+def _fp8_caption(path: Path) -> str:
+    document = json.loads(path.read_text())
+    return f"{document['device']}, torch {document['torch']}, torchao {document['torchao']}, {document['date']} (`{_relative(path)}`)"
+
+
+def fp8_full(gpu: str) -> str:
+    """One GPU's `benchmarks/fp8.py` file, as `fp8.py --table` prints it."""
+    return f"**{_fp8_caption(FP8[gpu])}**\n\n" + _benchmark_module("fp8").table(FP8[gpu])
+
+
+def fp8_headline() -> str:
+    """Both GPUs' `benchmarks/fp8.py` files side by side, a row per model, resolution and mode:
+    ditops FP8 ms per forward and its speedup over diffusers bf16 and torchao FP8 in that mode,
+    the larger of the GPUs' ratios of ditops' rel_err to torchao's, and the weights' bytes
+    against bf16 (the same blocks on both GPUs)."""
+    documents = {gpu: json.loads(path.read_text()) for gpu, path in FP8.items()}
+    keyed = {gpu: {(row["model"], row["resolution"], row["mode"]): row for row in document["rows"]}
+             for gpu, document in documents.items()}
+    lines = ["**" + "; ".join(_fp8_caption(path) for path in FP8.values()) + "**", "",
+             "| model | resolution | mode | " + " | ".join(f"{gpu}: ditops FP8 ms (vs bf16, vs torchao)" for gpu in FP8)
+             + " | rel_err ditops / torchao (worst GPU) | weights vs bf16 |",
+             "|---|---|---|" + "---|" * len(FP8) + "---|---|"]
+
+    def ratio(value) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    for key in dict.fromkeys(key for rows in keyed.values() for key in rows):
+        rows = [keyed[gpu].get(key) for gpu in FP8]
+        cells = ["-" if row is None else
+                 f"{row['ditops_ms']:.2f} ({ratio(row['speedup_vs_bf16'])}, {ratio(row['speedup_vs_torchao'])})"
+                 for row in rows]
+        present = [row for row in rows if row is not None]
+        errors = [row["rel_err_ditops"] / row["rel_err_torchao"] for row in present if row.get("rel_err_torchao")]
+        error = f"{max(errors):.2f}" if errors else "-"
+        weights = present[0]["weight_bytes_ditops"] / present[0]["weight_bytes_bf16"]
+        lines.append(f"| {' | '.join(key)} | " + " | ".join(cells) + f" | {error} | {weights:.2f} |")
+    return "\n".join(lines)
 
 
 def multigpu_full() -> str:
@@ -151,7 +184,10 @@ TABLES = {
     "bench H100": lambda: bench_full(BENCH["H100"]),
     "bench H200": lambda: bench_full(BENCH["H200"]),
     "bench-fp8 H100": lambda: bench_full(BENCH_FP8["H100"]),
-    "fp8": fp8_full,
+    "bench-fp8 H200": lambda: bench_full(BENCH_FP8["H200"]),
+    "fp8-headline": fp8_headline,
+    "fp8 H100": lambda: fp8_full("H100"),
+    "fp8 H200": lambda: fp8_full("H200"),
     "models H100": lambda: models_full("H100"),
     "models H200": lambda: models_full("H200"),
     "multigpu": multigpu_full,
