@@ -130,14 +130,6 @@ class HeadSpec:
     weight_dtypes: tuple = (torch.float32, None)  # qk_norm_rope_'s q_weight and k_weight; None: the activations' dtype
     spare_cache_rows: int = 5  # cache rows past the last position a call reads (a cache sized for longer sequences)
     norm_over: str = "head"  # qk_norm_rope_'s RMSNorm: per head, or over all heads of a token ("token", weights [H * Dh])
-    # The angles as the tables cos and sin (docs/ops.md), laid out as: "heads" [P, Hq, R/2]
-    # each; "items" [B, P, Hq, R/2] (diffusers' LTX-2 split tables); "head_major" [B, Hq, P, R/2]
-    # tensors viewed token-major (head stride P * R/2); "ltx_interleaved" views of diffusers'
-    # LTX tables [(B,) P, Hq * Dh] with each pair's value repeated (pair stride 2); "one_buffer"
-    # the halves of one [P, Hq, R] tensor; "broadcast_heads" [P, 1, R/2] (every head alike;
-    # GQA); "expanded" [P, 1, R/2] expanded to [(B,) P, Hq, R/2] (stride 0). None: a [P, R]
-    # cos_sin_cache. The tables are per batch item where q is [B, S, H, Dh].
-    tables: Optional[str] = None
 
 
 def selection_index(spec: RowSpec, device, generator) -> torch.Tensor:

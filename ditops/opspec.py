@@ -352,13 +352,13 @@ NORM_OVER = ("head", "token")  # qk_norm_rope_'s RMSNorm: over each head's Dh, o
 
 
 def _check_qk_norm_rope(
-    q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset, norm_over, cos, sin,
+    q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset, norm_over,
     describe_call=True
 ) -> Optional[Features]:
     op = "qk_norm_rope_"
     if k is None:
         validation.fail(op, "k", "is None", "a tensor (only rope_ takes k=None)")
-    heads = validation.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, cos, sin)
+    heads = validation.heads(op, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
     device = q.device
     validation.choice(op, "norm_over", norm_over, NORM_OVER)
     # over a token: a weight per value of the token's heads, and the widest of q's and k's
@@ -376,14 +376,13 @@ def _check_qk_norm_rope(
             head_size=heads.head_size,
             rotary_dim=heads.rotary_dim,
             interleaved=interleaved,
-            tables=(cos, sin) if cos is not None else (),
         )
 
 
 def _check_rope(
-    q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, cos, sin, describe_call=True
+    q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, describe_call=True
 ) -> Optional[Features]:
-    heads = validation.heads("rope_", q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, cos, sin)
+    heads = validation.heads("rope_", q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved)
     if describe_call and q.numel():
         return describe(
             (q, k) if k is not None else (q,),
@@ -391,28 +390,24 @@ def _check_rope(
             head_size=heads.head_size,
             rotary_dim=heads.rotary_dim,
             interleaved=interleaved,
-            tables=(cos, sin) if cos is not None else (),
         )
 
 
-def _in_place_checks(op: str, signature: Callable) -> Callable:
-    """The per-call checks of an in-place op, whose arguments are q, k, then the tensors it
-    reads among the rest: positions within the cache (or the tables cos and sin), and no memory
-    shared with what it writes (validation.InPlaceAliasing, whose spans are fixed per plan; it
-    reads the pointers that the call signature's check read: those of q, k and the tensors
-    read, in argument order)."""
-    names = list(inspect.signature(signature).parameters)
-    read = [(name, at) for at, name in enumerate(names) if at >= 2 and signature.__annotations__[name] in (T, OT)]
-    cache_at, positions_at, cos_at = names.index("cos_sin_cache"), names.index("positions"), names.index("cos")
+def _in_place_checks(op: str, read_names: tuple) -> Callable:
+    """The per-call checks of an in-place op, whose arguments are q, k, then ``read_names``
+    and the rest: positions within the cache, and no memory shared with what it writes
+    (validation.InPlaceAliasing, whose spans are fixed per plan; it reads the pointers that
+    the call signature's check read: those of q, k and the tensors read, in that order)."""
+    cache_at, positions_at = read_names.index("cos_sin_cache"), read_names.index("positions")
 
     def for_plan(q, k, *rest):
-        arguments = (q, k, *rest)
-        aliasing = validation.InPlaceAliasing(op, q, k, {name: arguments[at] for name, at in read})
-        if arguments[positions_at] is None:  # None is in the call signature: nothing to read but pointers
-            return aliasing  # a check(arguments, pointers)
+        aliasing = validation.InPlaceAliasing(op, q, k, dict(zip(read_names, rest)))
+        if rest[positions_at] is None:  # None is in the call signature: nothing to read but pointers
+            return aliasing  # a check(arguments, pointers) whose spans dispatch/cached_call.c also reads
 
         def check(arguments, pointers):
-            validation.position_values(op, arguments[positions_at], arguments[cache_at], arguments[cos_at])
+            rest = arguments[2:]
+            validation.position_values(op, rest[positions_at], rest[cache_at])
             aliasing.check(pointers)
 
         return check
@@ -545,16 +540,6 @@ def _rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
         k = activation(generator, device, dtype, (*spec.leading, spec.k_heads, head_size), spec.layout)
     rotary_dim = spec.rotary_dim or head_size
     rows = spec.position_offset + spec.leading[-1] + spec.spare_cache_rows
-    if spec.tables is not None:
-        cos, sin = _rope_tables(spec, rows, rotary_dim // 2, device, generator)
-        positions = None
-        if spec.positions is not None and is_meta(device):
-            positions = torch.empty(spec.leading, dtype=spec.positions, device="meta")
-        elif spec.positions is not None:
-            positions = torch.randint(0, rows, spec.leading, generator=generator, device=generator.device)
-            positions = positions.to(device=device, dtype=spec.positions)
-        return dict(q=q, k=None if spec.k_none else k, cos_sin_cache=None, positions=positions, interleaved=spec.interleaved,
-                    rotary_dim=spec.rotary_dim, position_offset=spec.position_offset, cos=cos, sin=sin)
     if is_meta(device):
         cache = torch.empty((rows, rotary_dim), dtype=spec.cache_dtype, device="meta")
         positions = None if spec.positions is None else torch.empty(spec.leading, dtype=spec.positions, device="meta")
@@ -566,49 +551,6 @@ def _rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
             positions = torch.randint(0, rows, spec.leading, generator=generator, device=generator.device).to(device=device, dtype=spec.positions)
     return dict(q=q, k=None if spec.k_none else k, cos_sin_cache=cache, positions=positions, interleaved=spec.interleaved,
                 rotary_dim=spec.rotary_dim, position_offset=spec.position_offset)
-
-
-TABLE_FORMS = ("heads", "items", "head_major", "ltx_interleaved", "one_buffer", "broadcast_heads", "expanded",
-               "misaligned", "strided_pairs")
-
-
-def _rope_tables(spec: HeadSpec, rows: int, half: int, device, generator) -> tuple:
-    """The tables cos and sin of ``rows`` positions and ``half`` = R/2 pairs, laid out as
-    spec.tables says (HeadSpec): random angles in float64, rounded once to the cache dtype."""
-    items = spec.leading[:1] if len(spec.leading) == 2 else ()  # a table per batch item where q is [B, S, H, Dh]
-    heads, form = spec.q_heads, spec.tables
-
-    def tables(*shape) -> tuple:
-        if is_meta(device):
-            return tuple(torch.empty(shape, dtype=spec.cache_dtype, device="meta") for _ in range(2))
-        angle = torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float64) * 6.3
-        return tuple(f(angle).to(device=device, dtype=spec.cache_dtype) for f in (torch.cos, torch.sin))
-
-    if form == "heads":
-        return tables(rows, heads, half)
-    if form == "items":  # also diffusers' LTX-2 split tables, [B, H, S, Dh / 2] views of [B, S, H, Dh / 2] tensors
-        return tables(*items, rows, heads, half)
-    if form == "head_major":
-        return tuple(t.transpose(-3, -2) for t in tables(*items, heads, rows, half))
-    if form == "ltx_interleaved":  # [(B,) P, H * Dh], each pair's value twice, read at the even columns
-        pairs = spec.head_size // 2
-        return tuple(t.repeat_interleave(2, dim=-1).flatten(-2).unflatten(-1, (heads, pairs, 2))[..., 0][..., :half]
-                     for t in tables(*items, rows, heads, pairs))
-    if form == "one_buffer":
-        buffer = torch.cat(tables(rows, heads, half), dim=-1)
-        return buffer[..., :half], buffer[..., half:]
-    if form == "broadcast_heads":
-        return tables(rows, 1, half)
-    if form == "expanded":
-        return tuple(t.expand(*items, rows, heads, half) for t in tables(rows, 1, half))
-    if form == "misaligned":  # [P, Hq, R/2] each, one element past a 16-byte boundary
-        buffer = torch.cat([t.flatten() for t in tables(rows, heads, half)])
-        size = rows * heads * half
-        padded = torch.cat([buffer[:1], buffer])  # on meta too: shapes and strides only
-        return padded[1:1 + size].view(rows, heads, half), padded[1 + size:].view(rows, heads, half)
-    if form == "strided_pairs":  # pair stride 3
-        return tuple(t[..., ::3] for t in tables(rows, heads, 3 * half))
-    raise ValueError(f"HeadSpec.tables is {form!r}; wanted None or one of {', '.join(TABLE_FORMS)}")
 
 
 def _qk_norm_rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
@@ -713,17 +655,6 @@ def _heads(tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=F
                     positions=torch.int64 if positions else None, weight_dtypes=(None, None), norm_over=norm_over)
 
 
-def _ltx_tables(heads, head_size, *, interleaved, norm_over="head") -> HeadSpec:
-    """A self-attention of LTX-2 (split RoPE, 32 heads of 128) or LTX-Video (interleaved, 32
-    of 64) at 768x512, 121 frames (24 x 16 x 16 = 6144 tokens), one item: q/k [1, S, H, Dh] as
-    diffusers unflattens its projections, the angles per head as float32 tables laid out as
-    diffusers builds them (LTX-2's split [B, S, H, Dh / 2] tensors, LTX-Video's interleaved
-    [B, S, H * Dh] with each pair's value repeated), passed as views; norm weights in the
-    activations' dtype."""
-    return HeadSpec((1, 6144), heads, heads, head_size, interleaved=interleaved, weight_dtypes=(None, None),
-                    norm_over=norm_over, spare_cache_rows=0, tables="ltx_interleaved" if interleaved else "items")
-
-
 _WAN = dict(modulation_dtype=torch.float32, per_batch_3d=True)
 _NORM_BENCH = (
     BenchShape("Wan2.1-1.3B 480p", "B1 S32760 D1536", _rows(1, 32760, 1536, **_WAN), quick=True),
@@ -753,11 +684,6 @@ _QK_NORM_ROPE_BENCH = (
                quick=True),
     BenchShape("Wan2.1-14B 720p (token norm)", "T75600 H40 Dh128", _heads(75600, 40, 40, 128, norm_over="token")),
     BenchShape("LTX-2 768x512 121 frames (token norm)", "T6144 H32 Dh128", _heads(6144, 32, 32, 128, norm_over="token")),
-    # the same with the angles per head, read in place from the model's tables (_ltx_tables)
-    BenchShape("LTX-2 768x512 121 frames (token norm, per-head tables)", "T6144 H32 Dh128 neox",
-               _ltx_tables(32, 128, interleaved=False, norm_over="token")),
-    BenchShape("LTX-Video 768x512 121 frames (token norm, per-head tables)", "T6144 H32 Dh64",
-               _ltx_tables(32, 64, interleaved=True, norm_over="token")),
 )
 _LLM = 16384
 _ROPE_BENCH = (
@@ -767,8 +693,6 @@ _ROPE_BENCH = (
     BenchShape("LLM GQA interleaved", f"T{_LLM} Hq32 Hk8 Dh128", _heads(_LLM, 32, 8, 128, positions=True)),
     BenchShape("LLM Dh80 NeoX", f"T{_LLM} H16 Dh80 neox", _heads(_LLM, 16, 16, 80, interleaved=False, positions=True)),
     BenchShape("LLM GQA Dh96 NeoX", f"T{_LLM} Hq16 Hk2 Dh96 neox", _heads(_LLM, 16, 2, 96, interleaved=False, positions=True)),
-    BenchShape("LTX-2 768x512 121 frames (per-head tables)", "T6144 H32 Dh128 neox", _ltx_tables(32, 128, interleaved=False)),
-    BenchShape("LTX-Video 768x512 121 frames (per-head tables)", "T6144 H32 Dh64", _ltx_tables(32, 64, interleaved=True)),
     BenchShape("latency", "T128 H24 Dh128", _heads(128, 24, 24, 128), quick=True),
 )
 
@@ -854,40 +778,6 @@ TOKEN_NORM_SPECS = {
     "token-norm-bf16-weights": HeadSpec((5,), 3, 3, 128, weight_dtypes=(torch.bfloat16, torch.bfloat16),
                                         norm_over="token"),
     "token-norm-empty": HeadSpec((0,), 4, 4, 128, norm_over="token"),
-}
-
-# The angles as the tables cos and sin (HeadSpec.tables), a row per head (LTX-Video, LTX-2):
-# diffusers' LTX layouts (interleaved views of pair stride 2, LTX-2's split tables), head-major
-# and expanded (stride 0) views, halves of one buffer, tables per batch item with positions,
-# odd sizes, partial rotary, GQA with one row for every head, q/k views of one projection.
-TABLE_SPECS = {
-    "tables-ltx2-interleaved": HeadSpec((2, 5), 4, 4, 128, tables="ltx_interleaved"),
-    "tables-ltx2-split": HeadSpec((2, 5), 4, 4, 128, interleaved=False, tables="items"),
-    "tables-ltx-video-odd-heads": HeadSpec((2, 7), 3, 3, 64, tables="ltx_interleaved", position_offset=2),
-    "tables-head-major-neox": HeadSpec((1, 9), 5, 5, 64, interleaved=False, tables="head_major"),
-    "tables-gqa-one-row-for-all-heads": HeadSpec((11,), 8, 2, 128, interleaved=False, positions=torch.int64,
-                                                 tables="broadcast_heads"),
-    "tables-items-positions-dh80": HeadSpec((2, 6), 5, 5, 80, positions=torch.int32, tables="items"),
-    "tables-partial-rotary-one-buffer": HeadSpec((7,), 3, 3, 64, rotary_dim=32, position_offset=3, tables="one_buffer"),
-    "tables-expanded": HeadSpec((2, 4), 3, 3, 96, interleaved=False, tables="expanded"),
-    "tables-qkv-views": HeadSpec((2, 3), 4, 4, 128, layout="qkv", positions=torch.int64, tables="heads"),
-    "tables-bf16": HeadSpec((6,), 2, 2, 64, cache_dtype=torch.bfloat16, tables="heads"),
-    # the compiled kernels' other table loads: a value at a time (a misaligned table, a pair
-    # stride of 3), and the pair-repeated layout's words with NeoX pairs
-    "tables-misaligned": HeadSpec((5,), 2, 2, 64, tables="misaligned"),
-    "tables-pair-stride-3-neox": HeadSpec((2, 4), 3, 3, 64, interleaved=False, tables="strided_pairs"),
-    "tables-repeated-neox": HeadSpec((2, 3), 2, 2, 64, interleaved=False, tables="ltx_interleaved"),
-    "tables-empty": HeadSpec((0,), 2, 2, 128, tables="heads"),
-}
-# rope_ alone: q without k, as LTX-2's audio-video attentions rotate q and k by their own tables
-ROPE_ONLY_TABLE_SPECS = {"tables-k-none": HeadSpec((2, 5), 3, 3, 64, k_none=True, interleaved=False, tables="head_major")}
-# qk_norm_rope_(norm_over="token") with the tables: LTX-2's and LTX-Video's self-attentions at
-# their real widths (4096 = 32 x 128, 2048 = 32 x 64), GQA with one row for all heads
-TOKEN_NORM_TABLE_SPECS = {
-    "tables-token-norm-ltx2-split": HeadSpec((1, 6), 32, 32, 128, interleaved=False, norm_over="token", tables="items"),
-    "tables-token-norm-ltx-video": HeadSpec((2, 5), 32, 32, 64, norm_over="token", tables="ltx_interleaved"),
-    "tables-token-norm-gqa": HeadSpec((9,), 6, 2, 64, positions=torch.int64, norm_over="token", tables="broadcast_heads"),
-    "tables-token-norm-strided-pairs": HeadSpec((4,), 4, 4, 64, norm_over="token", tables="strided_pairs"),
 }
 
 # FP8 outputs: the bf16 ops' row cases that vary what the quantisation sees (widths, forms,
@@ -1045,21 +935,18 @@ def add_gate_norm_scale(x: T, branch: T, gate: T, scale: T, *, weight: OT = None
     """
 
 
-def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: OT = None, positions: OT = None, *,
+def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, positions: OT = None, *,
                   interleaved: bool = True, rotary_dim: Optional[int] = None, eps: float = 1e-6,
-                  position_offset: int = 0, norm_over: str = "head", cos: OT = None, sin: OT = None) -> tuple:
+                  position_offset: int = 0, norm_over: str = "head") -> tuple:
     """In place: RMSNorm per head over Dh (or per token over its heads), then RoPE on the first R dims.
 
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: the same leading dims with Hk heads; q_weight,
     k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns); positions:
     q's leading shape, or None for ``position_offset + token index``. ``norm_over="token"``:
     one RMSNorm over all heads of a token (Wan, LTX-2), q_weight [Hq * Dh], k_weight
-    [Hk * Dh]; the RoPE is per head either way. Angles that differ per head (LTX-Video,
-    LTX-2): ``cos_sin_cache=None`` and the tables ``cos`` and ``sin``, [P, Hc, R/2] or
-    [Bc, P, Hc, R/2] (Hc 1 or Hq, Bc 1 or B), of any strides: views of the model's own tables,
-    read in place (docs/ops.md). Returns (q, k); under torch.compile on a GPU, the graph's new
-    tensors of their values: where q and k are slices of a wider projection, reading those
-    spares the graph a copy of the projection.
+    [Hk * Dh]; the RoPE is per head either way. Returns (q, k); under
+    torch.compile on a GPU, the graph's new tensors of their values: where q and k are slices
+    of a wider projection, reading those spares the graph a copy of the projection.
 
     >>> import torch, ditops
     >>> q, k = torch.randn(2, 32, 4, 128, dtype=torch.bfloat16)  # [T, H, Dh] each
@@ -1068,27 +955,20 @@ def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: OT = No
     >>> q_out is q  # written in place
     True
     >>> _ = ditops.qk_norm_rope_(q, k, torch.ones(4 * 128), torch.ones(4 * 128), cache, norm_over="token")  # Wan's norms
-    >>> cos, sin = torch.rand(2, 32, 4, 64)  # a [P, H, R/2] table per head
-    >>> _ = ditops.qk_norm_rope_(q, k, torch.ones(4 * 128), torch.ones(4 * 128), cos=cos, sin=sin, norm_over="token")
     """
 
 
-def rope_(q: T, k: OT, cos_sin_cache: OT = None, positions: OT = None, *, interleaved: bool = True,
-          rotary_dim: Optional[int] = None, position_offset: int = 0, cos: OT = None, sin: OT = None) -> tuple:
+def rope_(q: T, k: OT, cos_sin_cache: T, positions: OT = None, *, interleaved: bool = True,
+          rotary_dim: Optional[int] = None, position_offset: int = 0) -> tuple:
     """In place: RoPE on the first R dims of every head of q and k (k may be None). Returns (q, k).
 
-    Shapes as in ``qk_norm_rope_``; ``interleaved=False`` is the NeoX layout; ``cos`` and
-    ``sin`` (with ``cos_sin_cache=None``): angles per head, as there.
+    Shapes as in ``qk_norm_rope_``; ``interleaved=False`` is the NeoX layout.
 
     >>> import torch, ditops
     >>> q, k = torch.randn(32, 8, 64), torch.randn(32, 2, 64)  # GQA: 8 query heads, 2 key heads
     >>> cache = ditops.rope_cos_sin_cache(4096, 64)
     >>> positions = torch.randint(0, 4096, (32,))
     >>> _ = ditops.rope_(q, k, cache, positions, interleaved=False)
-    >>> # diffusers' LTX-2 tables, [B, S, H * Dh] with each pair's value repeated, read as views:
-    >>> q = torch.randn(1, 32, 8, 64)
-    >>> cos, sin = (t.repeat_interleave(2, -1).flatten(-2) for t in torch.rand(2, 1, 32, 8, 32))
-    >>> _ = ditops.rope_(q, None, cos=cos.unflatten(-1, (8, 32, 2))[..., 0], sin=sin.unflatten(-1, (8, 32, 2))[..., 0])
     """
 
 
@@ -1266,14 +1146,12 @@ SPECS = {
                _add_gate_norm_scale_fp8_inputs, outputs=("y", "y_scale", "out"), oracle=_add_gate_norm_scale_fp8_oracle,
                **_FP8_GATE_NORMS),
         OpSpec(qk_norm_rope_, _check_qk_norm_rope, reference.qk_norm_rope_, _qk_norm_rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
-               check_values=_in_place_checks("qk_norm_rope_", qk_norm_rope_),
-               conformance={**HEAD_SPECS, **TOKEN_NORM_SPECS, **TABLE_SPECS, **TOKEN_NORM_TABLE_SPECS},
-               bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128),
+               check_values=_in_place_checks("qk_norm_rope_", ("q_weight", "k_weight", "cos_sin_cache", "positions")),
+               conformance={**HEAD_SPECS, **TOKEN_NORM_SPECS}, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128),
                typical=_typical_heads),
         OpSpec(rope_, _check_rope, reference.rope_, _rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
-               check_values=_in_place_checks("rope_", rope_),
-               conformance={**HEAD_SPECS, **ROPE_ONLY_SPECS, **TABLE_SPECS, **ROPE_ONLY_TABLE_SPECS}, bench=_ROPE_BENCH,
-               default_shape=(4096, 32, 128),
+               check_values=_in_place_checks("rope_", ("cos_sin_cache", "positions")),
+               conformance={**HEAD_SPECS, **ROPE_ONLY_SPECS}, bench=_ROPE_BENCH, default_shape=(4096, 32, 128),
                typical=_typical_heads),
     )
 }

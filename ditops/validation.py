@@ -204,10 +204,8 @@ def _written_once(op: str, name: str, t: torch.Tensor) -> None:
         reach += (size - 1) * stride
 
 
-def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved, cos=None,
-          sin=None) -> HeadShape:
-    """Checks the arguments shared by the RoPE ops (docs/ops.md, "RoPE details"): the angles
-    come from a [P, R] cos_sin_cache, or from the tables cos and sin (``rope_tables``).
+def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, interleaved) -> HeadShape:
+    """Checks the arguments shared by the RoPE ops (docs/ops.md, "RoPE details").
 
     Reads no tensor values (see ``position_values``), so its verdict depends on metadata alone.
     """
@@ -222,25 +220,14 @@ def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, 
         same_dtype(op, "k", k, "q", q)
         if tuple(k.shape[:-2]) != leading or k.shape[-1] != head_size:
             fail(op, "k", f"has shape {_shape(k)}", f"[{', '.join(map(str, leading))}, Hk, {head_size}] (q's leading dims and Dh)")
-    if cos is not None or sin is not None:
-        if cos_sin_cache is not None:
-            fail(op, "cos", "is given with a cos_sin_cache", "one of the two forms: cos_sin_cache=None with cos and sin, "
-                 "or a cos_sin_cache and cos=sin=None")
-        table, cache_positions, cache_dims = "cos", *rope_tables(op, q, k, cos, sin, device)
-        what = "2 * cos.shape[-1]"
-    else:
-        if cos_sin_cache is None:
-            fail(op, "cos_sin_cache", "is None and so are cos and sin", "a [P, R] cos_sin_cache, or the tables cos and sin")
-        tensor(op, "cos_sin_cache", cos_sin_cache, ACTIVATION_DTYPES, device)
-        if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or not 2 <= cos_sin_cache.shape[1] <= head_size:
-            fail(op, "cos_sin_cache", f"has shape {_shape(cos_sin_cache)}", f"[P, R] with R even and 2 <= R <= Dh = {head_size}")
-        table, (cache_positions, cache_dims) = "cos_sin_cache", cos_sin_cache.shape
-        what = "cos_sin_cache.shape[1]"
-        if cos_sin_cache.stride(-1) != 1 and cache_dims > 1:
-            fail(op, "cos_sin_cache", f"has strides {list(cos_sin_cache.stride())}", "a last dimension of stride 1")
+    tensor(op, "cos_sin_cache", cos_sin_cache, ACTIVATION_DTYPES, device)
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or not 2 <= cos_sin_cache.shape[1] <= head_size:
+        fail(op, "cos_sin_cache", f"has shape {_shape(cos_sin_cache)}", f"[P, R] with R even and 2 <= R <= Dh = {head_size}")
+    cache_positions, cache_dims = cos_sin_cache.shape
     if rotary_dim is not None and rotary_dim != cache_dims:
-        held = "R/2 cos then R/2 sin columns" if table == "cos_sin_cache" else "R/2 pairs"
-        fail(op, "rotary_dim", f"is {rotary_dim!r}", f"None or {what} = {cache_dims} (the {table} holds {held})")
+        fail(op, "rotary_dim", f"is {rotary_dim!r}", f"None or cos_sin_cache.shape[1] = {cache_dims} (the cache holds R/2 cos then R/2 sin columns)")
+    if cos_sin_cache.stride(-1) != 1 and cache_dims > 1:
+        fail(op, "cos_sin_cache", f"has strides {list(cos_sin_cache.stride())}", "a last dimension of stride 1")
     if not isinstance(interleaved, bool):
         fail(op, "interleaved", f"is {interleaved!r}", "True or False")
     # a SymInt when torch.compile traces with dynamic shapes (e.g. FLUX's text length)
@@ -251,41 +238,13 @@ def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, 
         if position_offset + tokens > cache_positions:
             fail(
                 op,
-                table,
-                f"has {cache_positions} rows" + (" (positions, its dimension -3)" if table == "cos" else ""),
+                "cos_sin_cache",
+                f"has {cache_positions} rows",
                 f"at least position_offset + S = {position_offset} + {tokens} rows",
             )
     else:
         _positions(op, positions, leading, position_offset, device)
     return HeadShape(leading, head_size, cache_dims)
-
-
-def rope_tables(op: str, q, k, cos, sin, device) -> tuple:
-    """Checks the tables form of the RoPE ops' angles: cos and sin of one shape, dtype and
-    strides (the kernels read both at one offset), [P, Hc, R/2] or, for q [B, S, H, Dh],
-    [Bc, P, Hc, R/2], with Hc 1 (every head alike) or Hq (a row per head; then k, if given, has
-    Hq heads too) and Bc 1 or B (a table per batch item). Any strides, stride 0 included: the
-    tables of diffusers' LTX models are views. Returns (P, R)."""
-    tensor(op, "cos", cos, ACTIVATION_DTYPES, device)
-    tensor(op, "sin", sin, ACTIVATION_DTYPES, device)
-    batch = q.shape[0] if q.dim() == 4 else None
-    q_heads, head_size = q.shape[-2], q.shape[-1]
-    shape = tuple(cos.shape)
-    ranks_ok = cos.dim() == 3 or cos.dim() == 4 and batch is not None
-    if (not ranks_ok or shape[-2] not in (1, q_heads) or cos.dim() == 4 and shape[0] not in (1, batch)
-            or not 1 <= shape[-1] <= head_size // 2):
-        batched = f" or, for q [B, S, H, Dh], [Bc, P, Hc, R/2] with Bc 1 or B = {batch}" if batch is not None else ""
-        fail(op, "cos", f"has shape {_shape(cos)}",
-             f"[P, Hc, R/2]{batched}, Hc 1 or Hq = {q_heads}, 1 <= R/2 <= Dh/2 = {head_size // 2}")
-    same_shape(op, "sin", sin, "cos", cos)
-    same_dtype(op, "sin", sin, "cos", cos)
-    if sin.stride() != cos.stride():
-        fail(op, "sin", f"has strides {list(sin.stride())}", f"the strides of cos, {list(cos.stride())} "
-             "(the kernels read both at one offset)")
-    if k is not None and shape[-2] > 1 and k.shape[-2] != q_heads:
-        fail(op, "k", f"has {k.shape[-2]} heads with tables of a row per head of q's {q_heads}",
-             f"Hk = Hq = {q_heads} (head h of k turns by row h, as head h of q), or a call of its own with its own tables")
-    return shape[-3], 2 * shape[-1]
 
 
 def _positions(op, positions, leading, position_offset, device) -> None:
@@ -296,19 +255,18 @@ def _positions(op, positions, leading, position_offset, device) -> None:
         fail(op, "position_offset", f"is {position_offset} with positions given", "0 (the offset applies only when positions is None)")
 
 
-def position_values(op: str, positions, cos_sin_cache, cos=None) -> None:
-    """Positions must index rows of the cache (of the tables cos and sin where the cache is
-    None). Reading them on a GPU synchronizes, so there this runs only with DITOPS_DEBUG=1;
-    meta tensors have no values to read. Unlike the other checks it runs on every call, since
-    its verdict depends on values."""
+def position_values(op: str, positions, cos_sin_cache) -> None:
+    """Positions must index rows of the cache. Reading them on a GPU synchronizes, so there
+    this runs only with DITOPS_DEBUG=1; meta tensors have no values to read. Unlike the
+    other checks it runs on every call, since its verdict depends on values."""
     if positions is None or not positions.numel():
         return
     kind = positions.device.type
     if kind == "cpu" or kind != "meta" and debug_checks():
         low, high = int(positions.min()), int(positions.max())
-        rows, table = (cos_sin_cache.shape[0], "cos_sin_cache") if cos_sin_cache is not None else (cos.shape[-3], "cos and sin")
+        rows = cos_sin_cache.shape[0]
         if low < 0 or high >= rows:
-            fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {rows}) (rows of {table})")
+            fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {rows}) (rows of cos_sin_cache)")
 
 
 def _byte_span(t: torch.Tensor) -> int:

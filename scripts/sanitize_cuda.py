@@ -4,8 +4,7 @@ Exits 1 if a case fails. Usage:
   compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py
   compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python scripts/sanitize_cuda.py --dtypes bfloat16
 --streaming-stores runs the rotary kernel's streaming-store copy on every call: the cases are
-short calls, which the launch table keeps on the plain stores. --cases picks cases by name
-(--ops rope_ qk_norm_rope_ --cases tables: the RoPE calls with the tables cos and sin).
+short calls, which the launch table keeps on the plain stores.
 """
 
 import argparse
@@ -21,7 +20,6 @@ from ditops.backends import compiled
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", nargs="+", help="only these ops")
-    parser.add_argument("--cases", nargs="+", help="only the cases whose name contains one of these (e.g. tables)")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--streaming-stores", action="store_true", help="the rotary kernel's streaming stores on every call")
     arguments = parser.parse_args()
@@ -32,8 +30,6 @@ def main() -> int:
     counts = Counter()
     for case in conformance.CASES:
         if arguments.ops and case.op not in arguments.ops:
-            continue
-        if arguments.cases and not any(text in case.name for text in arguments.cases):
             continue
         for dtype in (getattr(torch, name) for name in arguments.dtypes):
             outcome = conformance.run_case(case, "cuda", dtype, "cuda")

@@ -36,55 +36,6 @@ def test_opcheck_qk_norm_rope_over_a_token(dtype):
     torch.library.opcheck(torch.ops.ditops.qk_norm_rope_.default, (*arguments, None))
 
 
-def _ltx_tables(batch, tokens, heads, head_size):
-    """diffusers' interleaved LTX tables [B, S, H * Dh] (each pair's value twice) as the [B, S, H,
-    Dh / 2] views of pair stride 2 the ops take."""
-    freqs = torch.rand(batch, tokens, heads * head_size // 2, generator=torch.Generator().manual_seed(5)) * 6.3
-    return tuple(f(freqs).repeat_interleave(2, dim=-1).unflatten(-1, (heads, head_size // 2, 2))[..., 0]
-                 for f in (torch.cos, torch.sin))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("op", ["rope_", "qk_norm_rope_"])
-def test_opcheck_with_the_tables(op, dtype):
-    """cos and sin as strided views (cos_sin_cache None), per item and head, with the token norm."""
-    q, k = torch.randn(2, 6, 3, 32, dtype=dtype), torch.randn(2, 6, 3, 32, dtype=dtype)
-    cos, sin = _ltx_tables(2, 6, 3, 32)
-    extra = dict(q_weight=torch.randn(96), k_weight=torch.randn(96), norm_over="token") if op == "qk_norm_rope_" else {}
-    arguments, _ = ordered_arguments(op, q, k, cos=cos, sin=sin, **extra)
-    torch.library.opcheck(getattr(torch.ops.ditops, op).default, (*arguments, None))
-
-
-def test_compile_fullgraph_reads_the_tables_as_views():
-    """rope_ and qk_norm_rope_ with the tables: one graph, the ops its nodes, eager's bits."""
-
-    def attention_side(q, k, weight, cos_table, sin_table):
-        cos, sin = (t.unflatten(-1, (3, 16, 2))[..., 0] for t in (cos_table, sin_table))
-        q, k = ditops.qk_norm_rope_(q, k, weight, weight.flip(0), cos=cos, sin=sin, norm_over="token")
-        q, _ = ditops.rope_(q * 2, None, cos=cos, sin=sin, interleaved=False)
-        return q + k
-
-    generator = torch.Generator().manual_seed(9)
-    freqs = torch.rand(2, 6, 48, generator=generator)
-    inputs = lambda: (torch.randn(2, 6, 3, 32, generator=torch.Generator().manual_seed(1)),  # noqa: E731
-                      torch.randn(2, 6, 3, 32, generator=torch.Generator().manual_seed(2)),
-                      torch.linspace(0.5, 1.5, 96), freqs.cos().repeat_interleave(2, -1), freqs.sin().repeat_interleave(2, -1))
-    eager = attention_side(*inputs())
-    graphs = []
-
-    def record(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    traced = torch.compile(attention_side, backend=record, fullgraph=True)(*inputs())
-    assert len(graphs) == 1
-    targets = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
-    assert {torch.ops.ditops.qk_norm_rope_, torch.ops.ditops.rope_} <= {getattr(t, "overloadpacket", t) for t in targets}
-    torch.testing.assert_close(traced, eager, rtol=0, atol=0)
-    inducted = torch.compile(attention_side, fullgraph=True)(*inputs())
-    torch.testing.assert_close(inducted, eager, rtol=1e-5, atol=1e-5)
-
-
 def test_compile_fullgraph_quantizes_a_prefix_and_x_in_one_node():
     """FLUX's single block: the attention output and the GELU MLP hidden state as one FP8 input."""
 

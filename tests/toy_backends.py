@@ -28,9 +28,9 @@ def norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
     return reference.norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y)
 
 
-def rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, cos=None, sin=None):
+def rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
     CALLS.append("rope_")
-    return reference.rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, cos, sin)
+    return reference.rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset)
 
 
 def broken_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):

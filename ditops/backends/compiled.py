@@ -24,7 +24,7 @@ import yaml
 from .. import kernel_cache
 from ..dispatch.signature import pointer_index
 from ..dispatch.contract import Kernel
-from .views import modulation, rows_of, tables_of, tokens_of
+from .views import modulation, rows_of, tokens_of
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc"
 LAUNCH_FILE = Path(__file__).resolve().parents[1] / "configs" / "compiled_launch.yaml"
@@ -115,31 +115,28 @@ def quantize_instance(dtype: torch.dtype, fp8_dtype: torch.dtype, gelu: bool, hi
     return Instance("row_quantize.cu", "row_quantize", arguments, block, threads)
 
 
-def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False,
-                    tables: bool = False) -> Instance:
+def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False) -> Instance:
     """The rotary kernel for heads of head_size in one pair layout: a thread per chunk of a head
     (interleaved: its pairs lie in a chunk) or per two chunks (NeoX: a pair's values lie R/2
     apart), in groups as wide as still pack the most heads into a 32-lane segment (rotary.cu).
     Interleaved: 16 lanes for Dh 96 (two heads), 10 for Dh 80 (three); NeoX: 6 (five heads) and
     5 (six). streaming: the instance that stores q and k with the streaming cache hint
-    (_streaming_stores says for which calls). tables: the instance that reads the angles from
-    the tables cos and sin, per head (a template flag: the cache instances keep their code)."""
+    (_streaming_stores says for which calls)."""
     settings = _launch_settings()["rotary"]
     chunks = -(-head_size // (CHUNK if interleaved else 2 * CHUNK))  # a lane's share of the head
     threads, block = SEGMENT // (SEGMENT // chunks), settings["block"]
     arguments = (C_TYPES[dtype], "true" if interleaved else "false", threads, block, _rotary_items(interleaved),
-                 "true" if streaming else "false", settings["min_blocks"], "true" if tables else "false")
+                 "true" if streaming else "false", settings["min_blocks"])
     return Instance("rotary.cu", "rotary", arguments, block, threads)
 
 
-def rotary_token_norm_instance(dtype: torch.dtype, interleaved: bool, hidden: int, tables: bool = False) -> Instance:
+def rotary_token_norm_instance(dtype: torch.dtype, interleaved: bool, hidden: int) -> Instance:
     """The rotary_token_norm kernel (qk_norm_rope_ with norm_over="token") for a token's widest
     tensor of hidden = H * Dh values: the first launch class with max_hidden >= hidden, a block
-    per token and tensor holding block * items chunks of 8 values; tables: as rotary_instance's."""
+    per token and tensor holding block * items chunks of 8 values."""
     for entry in _launch_settings()["rotary_token_norm"]:
         if hidden <= entry["max_hidden"]:
-            arguments = (C_TYPES[dtype], "true" if interleaved else "false", entry["block"], entry["items"],
-                         "true" if tables else "false")
+            arguments = (C_TYPES[dtype], "true" if interleaved else "false", entry["block"], entry["items"])
             return Instance("rotary.cu", "rotary_token_norm", arguments, entry["block"], entry["block"])
     raise ValueError(f"no compiled launch setting for token norms of {hidden}; the registry's max_hidden_size should refuse them")
 
@@ -175,12 +172,10 @@ def all_instances() -> list:
             instances.append(row_instance(kernel, dtype, param_dtype, hidden, affine, fp8_dtype))
         instances += [quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
                       for fp8_dtype, gelu, hidden, prefix in itertools.product(FP8_TYPES, (False, True), rows, (False, True))]
-        instances += [rotary_instance(dtype, head_size, interleaved, streaming, tables)
-                      for tables, head_size, interleaved, streaming
-                      in itertools.product((False, True), ROTARY_HEAD_SIZES, (False, True), (False, True))]
-        instances += [rotary_token_norm_instance(dtype, interleaved, entry["max_hidden"], tables)
-                      for tables, entry, interleaved
-                      in itertools.product((False, True), _launch_settings()["rotary_token_norm"], (False, True))]
+        instances += [rotary_instance(dtype, head_size, interleaved, streaming)
+                      for head_size, interleaved, streaming in itertools.product(ROTARY_HEAD_SIZES, (False, True), (False, True))]
+        instances += [rotary_token_norm_instance(dtype, interleaved, entry["max_hidden"])
+                      for entry, interleaved in itertools.product(_launch_settings()["rotary_token_norm"], (False, True))]
     return list(dict.fromkeys(instances))
 
 
@@ -258,9 +253,6 @@ class CompiledLaunch(NamedTuple):
     instance: Instance
     grid: tuple
     arguments: list  # parameters as PackedArguments takes them
-    # What a later call of the plan must hold for this launch to serve it, beyond its call
-    # signature (values -> bool); where it does not, that call is launched as its own. None: nothing.
-    holds: Optional[Callable[[tuple], bool]] = None
 
 
 # A backend's two launch functions:
@@ -275,15 +267,6 @@ def _weight(t: Optional[torch.Tensor]) -> tuple:
     return (t, DTYPE_CODES[t.dtype]) if t is not None else (None, 0)
 
 
-def _cache(t: Optional[torch.Tensor]) -> tuple:
-    """The rotary kernel's CosSinCache struct (zeros for a call with the tables cos and sin)."""
-    return (t, DTYPE_CODES[t.dtype], t.stride(0)) if t is not None else (None, 0, 0)
-
-
-def _rotary_dim(cos_sin_cache: Optional[torch.Tensor], cos: Optional[torch.Tensor]) -> int:
-    return cos_sin_cache.shape[1] if cos_sin_cache is not None else 2 * cos.shape[-1]
-
-
 def _param_dtype(x: torch.Tensor, params: tuple) -> torch.dtype:
     """The one dtype of a row kernel's weights and modulation (registry: uniform_param_dtype)."""
     return next((t.dtype for t in params if t is not None), x.dtype)
@@ -294,43 +277,6 @@ def _rows(t: Optional[torch.Tensor]) -> tuple:
         return (None, 0, 0)
     shape = rows_of(t)
     return (t, shape.batch_stride, shape.token_stride)
-
-
-TABLE_ELEMENTS, TABLE_CONTIGUOUS, TABLE_REPEATED = 0, 1, 2  # rotary.cu's TableLayout
-
-
-def _tables(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> tuple:
-    """The CosSinTables struct of rotary.cu (zeros for a call with a cache). Its layout: pair
-    stride 1 (contiguous) or 2 (each pair's value twice: diffusers' interleaved LTX tables) with
-    16-byte aligned pointers and row strides are read in 16-byte words, as the cache is; the
-    pair-stride-2 words also read the value after the last pair, so only where that value lies
-    in the tables' storage (a storage's size is not in the call signature: ``_tables_hold``
-    checks it for each later call of a plan). Any other strides: a value per load."""
-    if cos is None:
-        return (None, None, 0, TABLE_ELEMENTS, 0, 0, 0, 0)
-    strides, size = tables_of(cos), cos.element_size()
-    aligned = all(value % 16 == 0 for value in (cos.data_ptr(), sin.data_ptr(), *(s * size for s in strides[:3])))
-    layout = TABLE_ELEMENTS
-    if aligned and strides.pair_stride == 1:
-        layout = TABLE_CONTIGUOUS
-    elif aligned and strides.pair_stride == 2 and all(_reads_within_storage(t, 1) for t in (cos, sin)):
-        layout = TABLE_REPEATED
-    return (cos, sin, DTYPE_CODES[cos.dtype], layout, *strides)
-
-
-def _tables_hold(cos_at: int, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> Optional[Callable]:
-    """CompiledLaunch.holds of a rotary launch whose tables are read as pair-repeated words
-    (values[cos_at], values[cos_at + 1]: the op's cos and sin): their storages still hold the
-    value after the last pair. None for the other layouts, which read nothing past a table."""
-    if cos is None or _tables(cos, sin)[3] != TABLE_REPEATED:
-        return None
-    return lambda values: _reads_within_storage(values[cos_at], 1) and _reads_within_storage(values[cos_at + 1], 1)
-
-
-def _reads_within_storage(t: torch.Tensor, past: int) -> bool:
-    """Whether the element ``past`` elements after t's last one lies in t's storage."""
-    last = sum((length - 1) * stride for length, stride in zip(t.shape, t.stride()))
-    return (t.storage_offset() + last + past + 1) * t.element_size() <= t.untyped_storage().nbytes()
 
 
 def _integers(t: Optional[torch.Tensor]) -> tuple:
@@ -364,16 +310,13 @@ class CompiledOps:
             if not packed.rebindable:
                 return None
             bound = self.bind(launch.instance, device_index)
-            grid, holds = launch.grid, launch.holds
+            grid = launch.grid
             # Every call of the plan rewrites the one packed buffer: two threads between their
             # rebind and their launch would launch each other's pointers (8 threads on an H200
             # got 4 wrong results of 512). The driver copies the parameters at launch.
             lock = threading.Lock()
 
             def launch_bound(values: tuple, pointers: tuple) -> None:
-                if holds is not None and not holds(values):
-                    run(*values)
-                    return
                 with lock:
                     bound(grid, packed.rebind(pointers))
 
@@ -488,14 +431,13 @@ class CompiledOps:
         return self._gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y,
                                     y_scale, static_scale)
 
-    def _rotary(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm,
-                cos=None, sin=None, cos_at=0):
+    def _rotary(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm):
         q_tokens = tokens_of(q)
         q_heads, k_heads = q.shape[-2], (k.shape[-2] if k is not None else 0)
         rows = q_tokens.batch * q_tokens.tokens
         if rows == 0 or q_heads + k_heads == 0 or q.shape[-1] == 0:
             return None
-        instance = rotary_instance(q.dtype, q.shape[-1], interleaved, _streaming_stores(rows), cos is not None)
+        instance = rotary_instance(q.dtype, q.shape[-1], interleaved, _streaming_stores(rows))
         # As rotary.cu numbers its slots: a token's q slots, then its k slots, `items` heads each.
         items = _rotary_items(interleaved)
         token_slots = (q_heads + items - 1) // items + (k_heads + items - 1) // items
@@ -508,37 +450,32 @@ class CompiledOps:
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
-            _cache(cos_sin_cache), _tables(cos, sin), _integers(positions),
+            (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
             q_heads, k_heads, q_tokens.tokens, divisor(q_tokens.tokens), divisor(token_slots), rows, q.shape[-1],
-            _rotary_dim(cos_sin_cache, cos), position_offset, float(eps), int(norm),
+            cos_sin_cache.shape[1], position_offset, float(eps), int(norm),
         ]
-        return CompiledLaunch(instance, (blocks, 1, 1), arguments, _tables_hold(cos_at, cos, sin))
+        return CompiledLaunch(instance, (blocks, 1, 1), arguments)
 
-    def _rotary_token_norm(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset,
-                           cos, sin, cos_at):
+    def _rotary_token_norm(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset):
         q_tokens = tokens_of(q)
         rows = q_tokens.batch * q_tokens.tokens
         if rows == 0:
             return None
-        instance = rotary_token_norm_instance(q.dtype, interleaved, max(q.shape[-2], k.shape[-2]) * q.shape[-1],
-                                              cos is not None)
+        instance = rotary_token_norm_instance(q.dtype, interleaved, max(q.shape[-2], k.shape[-2]) * q.shape[-1])
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), (k, *tokens_of(k)[2:]), _weight(q_weight), _weight(k_weight),
-            _cache(cos_sin_cache), _tables(cos, sin), _integers(positions),
-            q.shape[-2], k.shape[-2], q_tokens.tokens, q.shape[-1], _rotary_dim(cos_sin_cache, cos), position_offset,
-            float(eps),
+            (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
+            q.shape[-2], k.shape[-2], q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[1], position_offset, float(eps),
         ]
-        return CompiledLaunch(instance, (rows, 2, 1), arguments, _tables_hold(cos_at, cos, sin))
+        return CompiledLaunch(instance, (rows, 2, 1), arguments)
 
     def qk_norm_rope__launch(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
-                             position_offset, norm_over, cos=None, sin=None):
-        cos_at = 11  # cos's place among the op's arguments (then sin's)
+                             position_offset, norm_over):
         if norm_over == "token":
             return self._rotary_token_norm(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps,
-                                           position_offset, cos, sin, cos_at)
+                                           position_offset)
         return self._rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset,
-                            norm=True, cos=cos, sin=sin, cos_at=cos_at)
+                            norm=True)
 
-    def rope__launch(self, q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, cos=None, sin=None):
-        return self._rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, norm=False,
-                            cos=cos, sin=sin, cos_at=7)
+    def rope__launch(self, q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
+        return self._rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, norm=False)

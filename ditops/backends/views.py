@@ -40,24 +40,6 @@ def tokens_of(t: torch.Tensor) -> Tokens:
     return Tokens(t.shape[0], t.shape[1], t.stride(0), t.stride(1))
 
 
-class Tables(NamedTuple):
-    """The RoPE ops' tables cos and sin ([P, Hc, R/2] or [Bc, P, Hc, R/2], one set of strides
-    for both): pair j of head h at position p of batch item b is at b * batch_stride +
-    p * row_stride + h * head_stride + j * pair_stride. A dimension of size 1 gets stride 0:
-    one table for every batch item, one row for every head."""
-
-    batch_stride: int
-    row_stride: int
-    head_stride: int
-    pair_stride: int
-
-
-def tables_of(cos: torch.Tensor) -> Tables:
-    shape, strides = cos.shape, cos.stride()
-    stride = lambda dim: strides[dim] if shape[dim] > 1 else 0  # noqa: E731
-    return Tables(stride(0) if cos.dim() == 4 else 0, stride(-3), stride(-2), stride(-1))
-
-
 def modulation(t: Optional[torch.Tensor], tokens: int) -> tuple:
     """A modulation tensor in any form of docs/ops.md as (tensor, batch_stride, group_stride,
     group_size, dim_stride): token s of batch item b reads t at

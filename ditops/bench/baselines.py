@@ -88,33 +88,21 @@ def _rotate(v, cos, sin, interleaved):
     return torch.cat((rotated.to(v.dtype), rest), dim=-1)
 
 
-def _angles(q, cos_sin_cache, positions, position_offset, cos=None, sin=None):
-    """cos and sin per token, to broadcast over heads: the cache's rows, or the tables' rows
-    read where they lie ([P, Hc, R/2] or [Bc, P, Hc, R/2]), as the LTX models' code reads its
-    [B, S, ...] tables."""
-    if cos_sin_cache is None:
-        if positions is None:
-            rows = slice(position_offset, position_offset + q.shape[-3])
-            return cos[..., rows, :, :], sin[..., rows, :, :]
-        if cos.dim() == 3:
-            return cos[positions], sin[positions]
-        item = torch.arange(q.shape[0], device=q.device)[:, None] if cos.shape[0] > 1 else 0
-        return cos[item, positions], sin[item, positions]
+def _angles(q, cos_sin_cache, positions, position_offset):
     rows = cos_sin_cache[positions] if positions is not None else cos_sin_cache[position_offset : position_offset + q.shape[-3]]
     cos, sin = rows.chunk(2, dim=-1)
     return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
 
-def rope_(q, k, cos_sin_cache=None, positions=None, interleaved=True, rotary_dim=None, position_offset=0, cos=None,
-          sin=None):
-    cos, sin = _angles(q, cos_sin_cache, positions, position_offset, cos, sin)
+def rope_(q, k, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, position_offset=0):
+    cos, sin = _angles(q, cos_sin_cache, positions, position_offset)
     return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
 
 
-def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache=None, positions=None, interleaved=True, rotary_dim=None,
-                  eps=1e-6, position_offset=0, norm_over="head", cos=None, sin=None):
-    cos, sin = _angles(q, cos_sin_cache, positions, position_offset, cos, sin)
-    if norm_over == "token":  # Wan's and LTX's processors: RMSNorm over the projection's H * Dh, then heads
+def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, eps=1e-6,
+                  position_offset=0, norm_over="head"):
+    cos, sin = _angles(q, cos_sin_cache, positions, position_offset)
+    if norm_over == "token":  # Wan's WanAttnProcessor: RMSNorm over the projection's H * Dh, then heads
         q, k = (F.rms_norm(t.flatten(-2), (t.shape[-2] * t.shape[-1],), weight, eps).view(t.shape)
                 for t, weight in ((q, q_weight), (k, k_weight)))
     else:

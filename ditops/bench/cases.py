@@ -62,32 +62,15 @@ def _distinct_bytes(t: Optional[torch.Tensor]) -> int:
     return elements * t.element_size()
 
 
-def _table_bytes(q: torch.Tensor, cos: torch.Tensor, positions: Optional[torch.Tensor]) -> int:
-    """Bytes of the tables cos and sin a RoPE call reads: per distinct (item, position) row, the
-    values of its distinct heads (one where a head stride is 0), each pair's cos and sin once.
-    Layouts that hold more (diffusers' interleaved LTX tables repeat each value) move more."""
-    items = cos.shape[0] if cos.dim() == 4 and cos.stride(0) != 0 else 1
-    positions_read = q.shape[-3] if positions is None else min(positions.numel(), cos.shape[-3] * items)
-    rows = positions_read * (items if positions is None else 1)
-    heads = cos.shape[-2] if cos.stride(-2) != 0 else 1
-    pairs = cos.shape[-1] if cos.stride(-1) != 0 else 1
-    return 2 * rows * heads * pairs * cos.element_size()
-
-
 def minimum_bytes(op: str, arguments: dict) -> int:
     """The fewest bytes ``op`` must move: each distinct input element read once, each output
     written once. The RoPE ops read and write q and k, and read one cache row per distinct
-    position (one per token when positions is None), or of the tables cos and sin the rows
-    of the distinct items and positions read (_table_bytes)."""
+    position (one per token when positions is None)."""
     if SPECS[op].inputs is HeadSpec:
-        q, k, cache, positions = arguments["q"], arguments.get("k"), arguments.get("cos_sin_cache"), arguments.get("positions")
+        q, k, cache, positions = arguments["q"], arguments.get("k"), arguments["cos_sin_cache"], arguments.get("positions")
         tokens = q.shape[:-2].numel()
-        if cache is None:
-            angles = _table_bytes(q, arguments["cos"], positions)
-        else:
-            rows = tokens if positions is None else min(positions.numel(), cache.shape[0])
-            angles = rows * cache.shape[1] * cache.element_size()
-        total = 2 * (_distinct_bytes(q) + _distinct_bytes(k)) + angles
+        rows = tokens if positions is None else min(positions.numel(), cache.shape[0])
+        total = 2 * (_distinct_bytes(q) + _distinct_bytes(k)) + rows * cache.shape[1] * cache.element_size()
         total += _distinct_bytes(positions)
         weights = (arguments.get("q_weight"), arguments.get("k_weight"))
         return total + sum(_distinct_bytes(w) for w in weights)

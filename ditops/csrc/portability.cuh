@@ -19,8 +19,6 @@ constexpr int kWarpSize = 64;  // CDNA wavefronts (gfx90a, gfx942, gfx950)
 __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_xor(value, lane_mask, kWarpSize); }
 __device__ inline uint4 load_read_only(const uint4* address) { return *address; }
 __device__ inline uint2 load_read_only(const uint2* address) { return *address; }
-__device__ inline float load_read_only(const float* address) { return *address; }
-__device__ inline unsigned short load_read_only(const unsigned short* address) { return *address; }
 // No cache hints on AMD (not measured there).
 __device__ inline uint4 load_streaming(const uint4* address) { return *address; }
 __device__ inline void store_streaming(uint4* address, const uint4& value) { *address = value; }
@@ -67,8 +65,6 @@ __device__ inline float shuffle_xor(float value, int lane_mask) { return __shfl_
 // Through the non-coherent cache: the compiler may then move the load ahead of stores.
 __device__ inline uint4 load_read_only(const uint4* address) { return __ldg(address); }
 __device__ inline uint2 load_read_only(const uint2* address) { return __ldg(address); }
-__device__ inline float load_read_only(const float* address) { return __ldg(address); }
-__device__ inline unsigned short load_read_only(const unsigned short* address) { return __ldg(address); }
 // ld.global.cs and st.global.cs: the line is evicted first (data read or written once).
 __device__ inline uint4 load_streaming(const uint4* address) { return __ldcs(address); }
 __device__ inline void store_streaming(uint4* address, const uint4& value) { __stcs(address, value); }

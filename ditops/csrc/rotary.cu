@@ -15,8 +15,7 @@
 // j + slots, ... So each token costs one memory round trip, and a thread, which keeps the same
 // columns of one token and one tensor, loads its cos/sin and norm weight once. Calls in the
 // launch table's streaming_stores token range take the instance that stores q and k with the
-// streaming cache hint: the same bits. TABLES (a template flag of both kernels): the angles
-// from the tables cos and sin (CosSinTables), a row per head, read for each head in its turn.
+// streaming cache hint: the same bits.
 #include "memory.cuh"
 #include "reductions.cuh"
 
@@ -38,67 +37,6 @@ struct CosSinCache {
     long long dtype;
     long long row_stride;
 };
-
-// The tables cos and sin (docs/ops.md), one dtype and one set of strides: pair j of head h at
-// position p of batch item b is at b * batch_stride + p * row_stride + h * head_stride +
-// j * pair_stride elements (stride 0 where one table serves every item, one row every head).
-// layout, set by the launch code (backends/compiled.py): kTableContiguous (pair stride 1) and
-// kTableRepeated (pair stride 2, each pair's value twice, as diffusers' interleaved LTX tables
-// hold it) with 16-byte aligned rows are read in 16-byte words as the cache is; kTableElements
-// (any other strides) a value per load.
-struct CosSinTables {
-    const void* cos;
-    const void* sin;
-    long long dtype;
-    long long layout;
-    long long batch_stride;
-    long long row_stride;
-    long long head_stride;
-    long long pair_stride;
-};
-
-enum TableLayout : int { kTableElements = 0, kTableContiguous = 1, kTableRepeated = 2 };
-
-__device__ inline float load_element_of_dtype(const void* data, long long dtype, long long offset) {
-    if (dtype == kFloat32) return load_read_only(static_cast<const float*>(data) + offset);
-    const unsigned bits = load_read_only(static_cast<const unsigned short*>(data) + offset);
-    return dtype == kFloat16 ? bits_to_float<float16>(bits) : bits_to_float<bfloat16>(bits);
-}
-
-// COUNT (4 or 8) values of one table, cos or sin, for the pairs first .. first + COUNT - 1 (first
-// a multiple of COUNT) of the head row at element `row`.
-template <int COUNT>
-__device__ inline void load_table_pairs(const void* table, const CosSinTables& tables, long long row, int first,
-                                        float (&values)[kChunk]) {
-    static_assert(COUNT == 4 || COUNT == kChunk, "a lane's pairs: 4 interleaved or 8 NeoX");
-    if (tables.layout == kTableContiguous) {
-        if constexpr (COUNT == 4) load_quad_of_dtype(table, tables.dtype, row + first, values);
-        else load_chunk_of_dtype(table, tables.dtype, row + first, values);
-    } else if (tables.layout == kTableRepeated) {
-#pragma unroll
-        for (int chunk = 0; chunk < 2 * COUNT / kChunk; ++chunk) {
-            float both[kChunk];
-            load_chunk_of_dtype(table, tables.dtype, row + 2 * first + chunk * kChunk, both);
-#pragma unroll
-            for (int p = 0; p < kChunk / 2; ++p) values[chunk * kChunk / 2 + p] = both[2 * p];
-        }
-    } else {
-#pragma unroll
-        for (int p = 0; p < COUNT; ++p)
-            values[p] = load_element_of_dtype(table, tables.dtype, row + (first + p) * tables.pair_stride);
-    }
-}
-
-// A lane's cos and sin of one head (TABLES): NeoX's 8 pairs a .. a + 7, or the 4 interleaved
-// pairs of chunk A (a / 2 ..), as the cache path loads them for every head at once.
-template <bool INTERLEAVED>
-__device__ inline void load_head_cos_sin(const CosSinTables& tables, long long row, int a, float (&c)[kChunk],
-                                         float (&s)[kChunk]) {
-    constexpr int kCount = INTERLEAVED ? 4 : kChunk;
-    const int first = INTERLEAVED ? a / 2 : a;
-    load_table_pairs<kCount>(tables.cos, tables, row, first, c);
-    load_table_pairs<kCount>(tables.sin, tables, row, first, s);
-}
 
 // The 4 interleaved pairs (v[2p], v[2p + 1]) of a chunk rotated by (c[p], s[p]).
 __device__ inline void rotate_interleaved(float (&v)[kChunk], const float (&c)[kChunk], const float (&s)[kChunk]) {
@@ -123,9 +61,9 @@ __device__ inline void rotate_neox(float (&a)[kChunk], float (&b)[kChunk], const
 
 // STREAMING: q and k stored with the streaming cache hint (a template flag: chosen at run time
 // per store, it made the float16 instances spill on sm_90). MIN_BLOCKS: the launch table's.
-template <typename T, bool INTERLEAVED, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS, bool TABLES>
+template <typename T, bool INTERLEAVED, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS>
 __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
-    Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, CosSinTables tables, Integers positions,
+    Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
     long long q_heads, long long k_heads, long long tokens, Divisor by_tokens, Divisor by_token_slots, long long rows,
     long long head_size, long long rotary_dim, long long position_offset, float eps, long long norm) {
     constexpr int kSegmentHeads = kSegment / HEAD_THREADS;
@@ -184,23 +122,17 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
     }
 
     // cos and sin of this lane's pairs, the same for every head: NeoX's 8 (a .. a + 7), or the
-    // 4 interleaved pairs of A (a / 2 ..). TABLES: the token's row of the tables, whose heads'
-    // values are loaded in their turn below.
+    // 4 interleaved pairs of A (a / 2 ..).
     float c[kChunk] = {}, s[kChunk] = {};
-    long long table_row = 0;
     if (valid && rotated) {
         const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;
-        if constexpr (TABLES) {
-            table_row = batch * tables.batch_stride + position * tables.row_stride;
+        const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
+        if constexpr (INTERLEAVED) {
+            load_quad_of_dtype(cos_row, cache.dtype, a / 2, c);
+            load_quad_of_dtype(cos_row, cache.dtype, half + a / 2, s);
         } else {
-            const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
-            if constexpr (INTERLEAVED) {
-                load_quad_of_dtype(cos_row, cache.dtype, a / 2, c);
-                load_quad_of_dtype(cos_row, cache.dtype, half + a / 2, s);
-            } else {
-                load_chunk_of_dtype(cos_row, cache.dtype, a, c);
-                load_chunk_of_dtype(cos_row, cache.dtype, half + a, s);
-            }
+            load_chunk_of_dtype(cos_row, cache.dtype, a, c);
+            load_chunk_of_dtype(cos_row, cache.dtype, half + a, s);
         }
     }
     // The tensor's norm weight of each chunk, or ones where it has none (x * 1 is exact).
@@ -244,10 +176,6 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
 
 #pragma unroll
     for (int item = 0; item < ITEMS; ++item) {
-        if constexpr (TABLES) {
-            if (stored[item] && rotated)
-                load_head_cos_sin<INTERLEAVED>(tables, table_row + (first_head + item * slots) * tables.head_stride, a, c, s);
-        }
         float v[kLaneChunks][kChunk];
 #pragma unroll
         for (int j = 0; j < kLaneChunks; ++j) {
@@ -277,11 +205,10 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
 // of the block (thread u % BLOCK, item u / BLOCK) is lane u % head_units of head u / head_units,
 // its chunks laid out as a lane of the per-head kernel above (one chunk interleaved, two NeoX),
 // so BLOCK * ITEMS * 8 >= H * Dh (the launch table's classes, the registry's max_hidden_size).
-// The chunks stay as loaded until the sum is known; cos/sin and the weight are read after it
-// (TABLES: each head's row of the tables).
-template <typename T, bool INTERLEAVED, int BLOCK, int ITEMS, bool TABLES>
+// The chunks stay as loaded until the sum is known; cos/sin and the weight are read after it.
+template <typename T, bool INTERLEAVED, int BLOCK, int ITEMS>
 __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
-    Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, CosSinTables tables, Integers positions,
+    Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
     long long q_heads, long long k_heads, long long tokens, long long head_size, long long rotary_dim,
     long long position_offset, float eps) {
     const bool in_q = blockIdx.y == 0;
@@ -326,9 +253,7 @@ __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
     const float inverse_rms = rsqrtf(group_sum<BLOCK, BLOCK>(squares) / static_cast<float>(heads * head_size) + eps);
 
     const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;
-    const void* cos_row = TABLES ? nullptr
-        : static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
-    const long long table_row = TABLES ? batch * tables.batch_stride + position * tables.row_stride : 0;
+    const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
     const Weight weight = in_q ? q_weight : k_weight;
 #pragma unroll
     for (int item = 0; item < ITEMS; ++item) {
@@ -336,10 +261,7 @@ __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
         const int a = column[item][0];
         const bool neox_pair = !INTERLEAVED && a < half;
         float c[kChunk] = {}, s[kChunk] = {};
-        if constexpr (TABLES) {
-            if (INTERLEAVED ? a < rotary_dim : neox_pair)
-                load_head_cos_sin<INTERLEAVED>(tables, table_row + head[item] * tables.head_stride, a, c, s);
-        } else if constexpr (INTERLEAVED) {
+        if constexpr (INTERLEAVED) {
             if (a < rotary_dim) {
                 load_quad_of_dtype(cos_row, cache.dtype, a / 2, c);
                 load_quad_of_dtype(cos_row, cache.dtype, half + a / 2, s);

@@ -140,13 +140,6 @@ def layouts(wanted: list, f: Features) -> Reason:
         return f"supports RoPE layouts {wanted}, got {'interleaved' if f.interleaved else 'neox'}"
 
 
-def rope_tables(wanted: bool, f: Features) -> Reason:
-    """false: the backend takes the RoPE ops' [P, R] cos_sin_cache only, not the cos and sin
-    tables (absent: both forms, as the kernels of every backend of the built-in registry)."""
-    if not wanted and f.rope_tables:
-        return "takes a [P, R] cos_sin_cache, not the tables cos and sin"
-
-
 def autograd(wanted: bool, f: Features) -> Reason:
     if f.requires_grad and not wanted:
         return "is forward-only and an input requires grad"
@@ -218,7 +211,6 @@ CHECKS: dict = {
         norms,
         modulation,
         layouts,
-        rope_tables,
         autograd,
         compiled_graph,
         needs_real_device,
@@ -296,7 +288,6 @@ VALUE_TYPES: dict = {
     "modulation": ("a list of modulation forms among scalar, vector, batch, token, frame",
                    _names_from("scalar", "vector", "batch", "token", "frame")),
     "layouts": ("a list of RoPE layouts among interleaved, neox", _names_from("interleaved", "neox")),
-    "rope_tables": _BOOLEAN,
     "autograd": _BOOLEAN,
     "compiled_graph": _BOOLEAN,
     "needs_real_device": _BOOLEAN,

@@ -34,7 +34,6 @@ class Features(NamedTuple):
     out_dtype: Optional[torch.dtype] = None  # the FP8 format of an *_fp8 op's output; None: outputs like x
     out_dtype_native: bool = True  # the device's hardware has that format (registry.yaml: fp8_formats)
     prefix_size: int = 0  # P of quantize_fp8's prefix, whose P columns come before x's D in each row; 0: none
-    rope_tables: bool = False  # the RoPE ops' angles from the tables cos and sin (per head), not a [P, R] cache
 
 
 def describe(
@@ -51,11 +50,8 @@ def describe(
     out_dtype: Optional[torch.dtype] = None,
     out_dtype_native: bool = True,
     prefix_size: int = 0,
-    tables: tuple = (),
 ) -> Features:
-    """Features of a call; ``params`` may hold None for absent optional tensors. ``tables``:
-    the RoPE ops' cos and sin, read at any strides (element loads): their dtypes are params'
-    (after ``params``), their strides and pointers set neither alignment nor unit_stride."""
+    """Features of a call; ``params`` may hold None for absent optional tensors."""
     # This runs on every eager call: each tensor attribute is read once, in one loop.
     address_bits = 0  # OR of every data pointer and stride in bytes: its lowest set bit is their alignment
     unit_stride = True
@@ -81,7 +77,6 @@ def describe(
             requires_grad = True
         if position >= first_param:
             param_dtypes.append(t.dtype)
-    param_dtypes += [t.dtype for t in tables]
     # Under torch.compile tracing, pointers are unknown and strides may be symbolic (dynamic
     # shapes): the call is taken as aligned, with no guard on any stride. Sound because only
     # the cuda/rocm entries ask for alignment, and those run as library ops that dispatch
@@ -108,6 +103,5 @@ def describe(
         out_dtype,
         out_dtype_native,
         prefix_size,
-        bool(tables),
     )
     return tuple.__new__(Features, fields)  # skips NamedTuple.__new__'s keyword handling: 3x faster

@@ -315,26 +315,14 @@ def add_gate_norm_scale_fp8(x, branch, gate, scale, weight=None, bias=None, weig
     return (*_quantize_rows(result, fp8_dtype, static_scale, y, y_scale), summed)
 
 
-def _rope_angles(q: Tensor, cos_sin_cache: Optional[Tensor], positions: Optional[Tensor], position_offset: int, dtype,
-                 cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> tuple:
-    """cos and sin for each token of q, shaped [..., 1, R/2] to broadcast over heads: rows of
-    the [P, R] cache, or of the tables cos and sin ([P, Hc, R/2] or [Bc, P, Hc, R/2]: then
-    [..., Hc, R/2], a row per head where Hc > 1, a table per batch item where Bc > 1)."""
+def _rope_angles(q: Tensor, cos_sin_cache: Tensor, positions: Optional[Tensor], position_offset: int, dtype):
+    """cos and sin for each token of q, shaped [..., 1, R/2] to broadcast over heads."""
     if positions is None:
         tokens = q.shape[-3]
-        if cos_sin_cache is None:
-            rows = slice(position_offset, position_offset + tokens)
-            return cos[..., rows, :, :].to(dtype), sin[..., rows, :, :].to(dtype)
         positions = torch.arange(position_offset, position_offset + tokens, device=q.device)
-    positions = positions.long()
-    if cos_sin_cache is None:
-        if cos.dim() == 3:
-            return cos[positions].to(dtype), sin[positions].to(dtype)
-        item = torch.arange(q.shape[0], device=q.device)[:, None] if cos.shape[0] > 1 else 0  # q and positions [B, S, ...]
-        return cos[item, positions].to(dtype), sin[item, positions].to(dtype)
-    rows = cos_sin_cache.to(dtype)[positions]  # [..., R]
-    c, s = rows.chunk(2, dim=-1)
-    return c.unsqueeze(-2), s.unsqueeze(-2)
+    rows = cos_sin_cache.to(dtype)[positions.long()]  # [..., R]
+    cos, sin = rows.chunk(2, dim=-1)
+    return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
 
 def _rotate(v: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
@@ -351,35 +339,33 @@ def _rotate(v: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 
 
 def qk_norm_rope_(
-    q, k, q_weight, k_weight, cos_sin_cache=None, positions=None, interleaved=True, rotary_dim=None, eps=1e-6,
-    position_offset=0, norm_over="head", cos=None, sin=None
+    q, k, q_weight, k_weight, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, eps=1e-6, position_offset=0,
+    norm_over="head"
 ):
     """In place: per token and head, RMSNorm over Dh (weights [Dh]), then RoPE on the first R dims.
 
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: same leading dims, Hk heads; cos_sin_cache: [P, R]
-    (R/2 cos then R/2 sin columns), or None and the tables cos and sin ([P, Hc, R/2] or
-    [Bc, P, Hc, R/2]: a row per head where Hc = Hq, a table per batch item where Bc = B);
-    positions: q's leading shape, or None for position_offset + token index. norm_over="token":
-    one RMSNorm over each token's H * Dh values (weights [H * Dh]), the RoPE still per head.
-    No rounding between norm and RoPE. Returns (q, k).
+    (R/2 cos then R/2 sin columns); positions: q's leading shape, or None for
+    position_offset + token index. norm_over="token": one RMSNorm over each token's H * Dh
+    values (weights [H * Dh]), the RoPE still per head. No rounding between norm and RoPE.
+    Returns (q, k).
     """
     compute = _compute_dtype(q)
-    c, s = _rope_angles(q, cos_sin_cache, positions, position_offset, compute, cos, sin)
+    cos, sin = _rope_angles(q, cos_sin_cache, positions, position_offset, compute)
     for t, weight in ((q, q_weight), (k, k_weight)):  # copies: t is written below and autograd may have saved it
         v = t.to(compute, copy=True)
         if norm_over == "token":
             v = _normalize(v.flatten(-2), weight, None, "rms", eps).view(v.shape)
         else:
             v = _normalize(v, weight, None, "rms", eps)
-        t.copy_(_rotate(v, c, s, interleaved))
+        t.copy_(_rotate(v, cos, sin, interleaved))
     return q, k
 
 
-def rope_(q, k, cos_sin_cache=None, positions=None, interleaved=True, rotary_dim=None, position_offset=0, cos=None,
-          sin=None):
+def rope_(q, k, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, position_offset=0):
     """In place: RoPE on the first R dims of every head of q and k (k may be None). Returns (q, k)."""
     compute = _compute_dtype(q)
-    c, s = _rope_angles(q, cos_sin_cache, positions, position_offset, compute, cos, sin)
+    cos, sin = _rope_angles(q, cos_sin_cache, positions, position_offset, compute)
     for t in (q, k) if k is not None else (q,):
-        t.copy_(_rotate(t.to(compute, copy=True), c, s, interleaved))
+        t.copy_(_rotate(t.to(compute, copy=True), cos, sin, interleaved))
     return q, k

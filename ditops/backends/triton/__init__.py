@@ -15,7 +15,7 @@ import torch
 
 from ...dispatch.device import DeviceInfo
 from ...dispatch.contract import Kernel
-from ..views import Rows, Tables, modulation, rows_of, tables_of, tokens_of
+from ..views import Rows, modulation, rows_of, tokens_of
 from .gated_add_norm import gated_add_norm_kernel
 from .kernel_launch import KernelLaunch, bind, run, trace
 from .launch import rotary_launch, row_grid, row_launch, settings_of
@@ -189,16 +189,14 @@ def add_gate_norm_scale_fp8_launch(x, branch, gate, scale, weight, bias, weight2
 
 
 def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm, q_out, k_out,
-            token_norm=False, cos=None, sin=None):
+            token_norm=False):
     q_out = q if q_out is None else q_out
     k_out = k if k_out is None else k_out
     batch, tokens, q_batch_stride, q_token_stride = tokens_of(q)
     _, _, k_batch_stride, k_token_stride = tokens_of(k) if k is not None else (0, 0, 0, 0)
     _, _, q_out_batch_stride, q_out_token_stride = tokens_of(q_out)
     _, _, k_out_batch_stride, k_out_token_stride = tokens_of(k_out) if k is not None else (0, 0, 0, 0)
-    head_size = q.shape[-1]
-    rotary_dim = cos_sin_cache.shape[1] if cos_sin_cache is not None else 2 * cos.shape[-1]
-    tables = tables_of(cos) if cos is not None else Tables(0, 0, 0, 0)
+    head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
     launch = rotary_launch(head_size, rotary_dim, q.shape[-2], k.shape[-2] if k is not None else 0, q.element_size(),
                            batch * tokens, settings_of(q), token_norm)
     positions_batch_stride, positions_token_stride = (0, 0)
@@ -210,8 +208,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         q_out, q_out_batch_stride, q_out_token_stride,
         k_out, k_out_batch_stride, k_out_token_stride,
         q_weight, k_weight,
-        cos_sin_cache, cos_sin_cache.stride(0) if cos_sin_cache is not None else 0,
-        cos, sin, *tables,
+        cos_sin_cache, cos_sin_cache.stride(0),
         positions, positions_batch_stride, positions_token_stride, position_offset,
         tokens, head_size, rotary_dim, eps,
     ), dict(
@@ -219,7 +216,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
         Q_BLOCK_HEADS=launch.q_block_heads, K_BLOCK_HEADS=launch.k_block_heads,
         HALF_HEAD=launch.half_head, HALF_TAIL=launch.half_tail, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
-        STORE_EVICTION=launch.store_eviction, TABLES=cos is not None,
+        STORE_EVICTION=launch.store_eviction,
         num_warps=launch.num_warps,
     ))
 
@@ -227,15 +224,13 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
 # The in-place ops write q and k themselves; given q_out and k_out (a compiled graph's
 # functional node, ditops/ops.py), they write those instead and leave q and k as they were.
 def qk_norm_rope__launch(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset,
-                         norm_over, cos=None, sin=None, q_out=None, k_out=None):
+                         norm_over, q_out=None, k_out=None):
     return _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, True, q_out, k_out,
-                   norm_over == "token", cos, sin)
+                   norm_over == "token")
 
 
-def rope__launch(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, cos=None, sin=None,
-                 q_out=None, k_out=None):
-    return _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, False, q_out, k_out,
-                   False, cos, sin)
+def rope__launch(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, q_out=None, k_out=None):
+    return _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, False, q_out, k_out)
 
 
 def _kernel(launch_of) -> Kernel:

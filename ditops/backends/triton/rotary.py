@@ -21,11 +21,7 @@ token range store q_out and k_out with evict_first (STORE_EVICTION, a cache hint
 bits); the launch table says where and why.
 With TOKEN_NORM (qk_norm_rope_'s norm_over="token") the RMS runs over all heads of a token:
 the launch puts a tensor's heads in one block, so the loop makes one pass and the sum of the
-block's squares is the token's.
-With TABLES (the angles as the tables cos and sin, a row per head where the head stride is
-not 0) a token's cos/sin are loaded per head block, beside its heads, as a [heads, pairs]
-tile at the tables' own strides (LTX's interleaved tables are read at every other column);
-the operations on the values are the cache path's."""
+block's squares is the token's."""
 
 import triton
 import triton.language as tl
@@ -52,17 +48,6 @@ def _cos_sin(cache_row, first, half, WIDTH: tl.constexpr):
     pair = first + tl.arange(0, WIDTH)[None, :]
     cos = tl.load(cache_row + pair, mask=pair < half, other=0.0).to(tl.float32)
     sin = tl.load(cache_row + half + pair, mask=pair < half, other=0.0).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def _table_cos_sin(cos_row, sin_row, head, head_mask, head_stride, pair_stride, first, half, WIDTH: tl.constexpr):
-    """The cos and sin of the pairs [first, first + WIDTH) of each head row (TABLES), in float32."""
-    pair = first + tl.arange(0, WIDTH)[None, :]
-    offset = head * head_stride + pair * pair_stride
-    mask = head_mask & (pair < half)
-    cos = tl.load(cos_row + offset, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_row + offset, mask=mask, other=0.0).to(tl.float32)
     return cos, sin
 
 
@@ -101,15 +86,12 @@ def _store_pairs(out, head_mask, x1, x2, cos, sin, first, half, rotary_dim, WIDT
 @triton.jit
 def _rotate_heads(
     base, target, head_stride, heads, weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim, eps,
-    cos_row, sin_row, table_head_stride, table_pair_stride,
     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_REST: tl.constexpr,
-    EVICTION: tl.constexpr, TOKEN_NORM: tl.constexpr, TABLES: tl.constexpr,
+    EVICTION: tl.constexpr, TOKEN_NORM: tl.constexpr,
 ):
     """TOKEN_NORM: one RMS over all the token's heads, which the launch puts in one block (one
-    pass of the loop below), with a weight row per head; else one per head, one [Dh] weight.
-    TABLES: each block's cos/sin from the token's rows of the tables (cos_row, sin_row), else
-    the token's cos/sin loaded once by the caller (cos_h, sin_h, cos_t, sin_t)."""
+    pass of the loop below), with a weight row per head; else one per head, one [Dh] weight."""
     half = rotary_dim // 2
     rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
     for first_head in range(0, heads, BLOCK_HEADS):
@@ -121,15 +103,6 @@ def _rotate_heads(
         a1, a2 = _load_pairs(row, head_mask, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED)
         if HALF_TAIL > 0:
             b1, b2 = _load_pairs(row, head_mask, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED)
-        if TABLES:
-            block_cos_h, block_sin_h = _table_cos_sin(cos_row, sin_row, head, head_mask, table_head_stride,
-                                                      table_pair_stride, 0, half, HALF_HEAD)
-            block_cos_t, block_sin_t = block_cos_h, block_sin_h
-            if HALF_TAIL > 0:
-                block_cos_t, block_sin_t = _table_cos_sin(cos_row, sin_row, head, head_mask, table_head_stride,
-                                                          table_pair_stride, HALF_HEAD, half, HALF_TAIL)
-        else:
-            block_cos_h, block_sin_h, block_cos_t, block_sin_t = cos_h, sin_h, cos_t, sin_t
         if NORM:
             tail = tl.load(row + rest, mask=rest_mask, other=0.0).to(tl.float32)
             squares = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
@@ -151,11 +124,9 @@ def _rotate_heads(
                     b1, b2 = _weigh_pairs(b1, b2, head_weight, weight_mask, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
                 tail = tail * tl.load(head_weight + rest, mask=weight_mask & (rest < head_size), other=0.0).to(tl.float32)
             tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask, eviction_policy=EVICTION)
-        _store_pairs(out, head_mask, a1, a2, block_cos_h, block_sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED,
-                     EVICTION)
+        _store_pairs(out, head_mask, a1, a2, cos_h, sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED, EVICTION)
         if HALF_TAIL > 0:
-            _store_pairs(out, head_mask, b1, b2, block_cos_t, block_sin_t, HALF_HEAD, half, rotary_dim, HALF_TAIL,
-                         INTERLEAVED, EVICTION)
+            _store_pairs(out, head_mask, b1, b2, cos_t, sin_t, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED, EVICTION)
 
 
 @triton.jit
@@ -166,13 +137,12 @@ def rotary_kernel(
     k_out, k_out_batch_stride, k_out_token_stride,
     q_weight, k_weight,
     cache, cache_row_stride,
-    cos_table, sin_table, table_batch_stride, table_row_stride, table_head_stride, table_pair_stride,
     positions, positions_batch_stride, positions_token_stride, position_offset,
     tokens, head_size, rotary_dim, eps,
     NORM: tl.constexpr, TOKEN_NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr,
-    BLOCK_REST: tl.constexpr, SPLIT: tl.constexpr, STORE_EVICTION: tl.constexpr, TABLES: tl.constexpr,
+    BLOCK_REST: tl.constexpr, SPLIT: tl.constexpr, STORE_EVICTION: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)
     batch, token = program // tokens, program % tokens
@@ -182,17 +152,11 @@ def rotary_kernel(
     else:
         position = token + position_offset
     half = rotary_dim // 2
-    if TABLES:  # loaded per head block (_rotate_heads)
-        table_row = batch * table_batch_stride + position * table_row_stride
-        cos_row, sin_row = cos_table + table_row, sin_table + table_row
-        cos_h, sin_h, cos_t, sin_t = 0.0, 0.0, 0.0, 0.0
-    else:
-        cache_row = cache + position * cache_row_stride
-        cos_row, sin_row = cache_row, cache_row
-        cos_h, sin_h = _cos_sin(cache_row, 0, half, HALF_HEAD)
-        cos_t, sin_t = cos_h, sin_h
-        if HALF_TAIL > 0:
-            cos_t, sin_t = _cos_sin(cache_row, HALF_HEAD, half, HALF_TAIL)
+    cache_row = cache + position * cache_row_stride
+    cos_h, sin_h = _cos_sin(cache_row, 0, half, HALF_HEAD)
+    cos_t, sin_t = cos_h, sin_h
+    if HALF_TAIL > 0:
+        cos_t, sin_t = _cos_sin(cache_row, HALF_HEAD, half, HALF_TAIL)
     q_row = q + batch * q_batch_stride + token * q_token_stride
     q_target = q_out + batch * q_out_batch_stride + token * q_out_token_stride
     if HAS_K:
@@ -201,17 +165,17 @@ def rotary_kernel(
     if SPLIT:  # (tokens, 2) programs; the launch code splits only calls with k
         if tl.program_id(1) == 0:
             _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, cos_row, sin_row, table_head_stride, table_pair_stride, NORM, HAS_Q_WEIGHT, INTERLEAVED,
-                          Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION, TOKEN_NORM, TABLES)
+                          eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                          STORE_EVICTION, TOKEN_NORM)
         else:
             _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, cos_row, sin_row, table_head_stride, table_pair_stride, NORM, HAS_K_WEIGHT, INTERLEAVED,
-                          K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION, TOKEN_NORM, TABLES)
+                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                          STORE_EVICTION, TOKEN_NORM)
     else:
         _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                      eps, cos_row, sin_row, table_head_stride, table_pair_stride, NORM, HAS_Q_WEIGHT, INTERLEAVED,
-                      Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION, TOKEN_NORM, TABLES)
+                      eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                      STORE_EVICTION, TOKEN_NORM)
         if HAS_K:
             _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, cos_row, sin_row, table_head_stride, table_pair_stride, NORM, HAS_K_WEIGHT, INTERLEAVED,
-                          K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION, TOKEN_NORM, TABLES)
+                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                          STORE_EVICTION, TOKEN_NORM)

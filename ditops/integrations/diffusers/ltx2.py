@@ -18,24 +18,17 @@ token (per-token timesteps), both forms the ops take.
   cross-attention, then ``norm2``" -> ``residual_norm_scale_shift``. The self-attention's gated
   residual feeds the cross-attention unnormalised and stays as diffusers wrote it.
 - The attentions called with rotary tables (self-attentions; LTX-2's audio-video attentions,
-  whose query and key have tables of their own). The tables differ per head (each head has its
-  own frequencies) and per batch item; the ops read them where diffusers put them, as views
-  (``_tables``: the interleaved [B, S, H * Dh] tables, every pair's value twice, at every other
-  column; LTX-2's ``rope_type="split"`` tables [B, H, S, Dh / 2], which rotate the two halves of
-  each head (NeoX), transposed back to the [B, S, H, Dh / 2] they were computed as): no copy per
-  call. In a self-attention the q/k RMSNorms over all heads of a token (``norm_q`` / ``norm_k``,
-  torch.nn.RMSNorm over H * Dh) and the RoPE -> one ``qk_norm_rope_(norm_over="token")``: no
-  rounding between norm and RoPE, where diffusers rounds the norm's output to the activations'
-  dtype (docs/ops.md, op 5). Norms of another kind, of two eps, or with weights of another dtype
-  than the activations stay diffusers' (the latter at the call: torch's RMSNorm returns the
-  promoted dtype there), and so do the audio-video attentions' (q and k of two token counts):
-  there the RoPE -> ``rope_`` (a call each for q and k, with their own tables). Under context
-  parallelism the plan splits the ``rope`` outputs with the hidden states, so the rows are this
-  shard's (LTX-Video; diffusers 0.42.1's own context parallelism fails on LTX-2, with or without
-  ditops). Calls with a mask, with STG perturbation, with tables of another shape, or with a
-  hook on a norm that ``qk_norm_rope_`` would compute go to diffusers' processor. Under
-  torch.compile the processor's ops are graph nodes too: the tables are read in place, as
-  Inductor's own fused RoPE reads them.
+  whose query and key have tables of their own): the RoPE -> ``rope_``. The tables span all
+  heads (each head has its own frequencies) and each batch item: with the heads folded into
+  the token axis, q and k are rows [B * S * H, 1, Dh] and the cache has one row per (item,
+  token, head). Interleaved tables pair neighbouring dims; LTX-2's ``rope_type="split"`` tables
+  ([B, H, S, Dh / 2]) rotate the two halves of each head (NeoX). Under context parallelism the
+  plan splits the ``rope`` outputs with the hidden states, so the rows are this shard's
+  (LTX-Video; diffusers 0.42.1's own context parallelism fails on LTX-2, with or without ditops).
+  The q/k RMSNorm (over all heads together, not per head as ``qk_norm_rope_`` computes) stays
+  diffusers' ``norm_q`` / ``norm_k``. Calls with a mask, with STG perturbation, or with tables
+  of another shape go to diffusers' processor, and so do calls under torch.compile (the tables'
+  conversion into rope_'s cache costs more there than the fused RoPE saves).
 
 Left as diffusers wrote them: the text cross-attentions (q/k RMSNorm without RoPE), the FFNs'
 gated adds (no norm follows them in the block), the prompt modulation of the text, the output
@@ -47,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import ops, validation
+from ... import ops
 from . import patching
 
 _LTX2_NORMS = ("norm1", "audio_norm1", "norm2", "audio_norm2", "audio_to_video_norm", "video_to_audio_norm", "norm3",
@@ -182,11 +175,7 @@ def _ltx_block_forward(self, hidden_states, encoder_hidden_states, temb, image_r
     return hidden_states + self.ff(x) * gate_mlp
 
 
-# ----- attention: the q/k norms and the RoPE ------------------------------------------------------
-
-
-QK_NORM_ROPE = "qk_norm_rope_ (norm_over=token)"  # the report's op for a self-attention whose norms it takes
-NORMS = ("norm_q", "norm_k")
+# ----- attention: the RoPE --------------------------------------------------------------------
 
 
 def _table_fits(table, rope_type, batch, tokens, width, head_dim) -> bool:
@@ -196,104 +185,72 @@ def _table_fits(table, rope_type, batch, tokens, width, head_dim) -> bool:
     return all(tuple(t.shape) == wanted for t in table)
 
 
-def _tables(table, rope_type, heads) -> tuple:
-    """diffusers' (cos, sin) as the ops' tables [B, S, H, Dh / 2], views read in place: the
-    interleaved [B, S, H * Dh] at every other column (each pair's value is there twice); the
-    split [B, H, S, Dh / 2] transposed back to the token-major layout diffusers computes them in."""
-    if rope_type == "interleaved":
-        return tuple(t.unflatten(-1, (heads, -1, 2))[..., 0] for t in table)
-    return tuple(t.transpose(1, 2) for t in table)
+def _cache(table, rope_type, head_dim) -> torch.Tensor:
+    """(cos, sin) as rope_'s cache, one row per (item, token, head) in that order."""
+    cos, sin = table
+    if rope_type == "interleaved":  # [B, S, H * Dh], every pair's value repeated
+        return patching.cos_sin_cache(cos.reshape(-1, head_dim), sin.reshape(-1, head_dim))
+    return torch.cat([cos, sin], dim=-1).transpose(1, 2).reshape(-1, head_dim)  # [B, H, S, Dh / 2] each
 
 
-def _norms_refusal(attn) -> str | None:
-    """Why the q/k RMSNorms of ``attn`` (over all heads of a token) cannot be qk_norm_rope_'s
-    (norm_over="token"), or None."""
-    norms = (attn.norm_q, attn.norm_k)
-    if not all(type(norm) is torch.nn.RMSNorm for norm in norms):
-        return f"q/k norms {type(attn.norm_q).__name__}/{type(attn.norm_k).__name__}, not torch.nn.RMSNorm"
-    if attn.norm_q.eps is None or attn.norm_q.eps != attn.norm_k.eps:
-        return f"q/k norms of eps {attn.norm_q.eps} and {attn.norm_k.eps}, not one number (qk_norm_rope_ takes one)"
-    if attn.inner_kv_dim != attn.inner_dim or any(tuple(norm.normalized_shape) != (attn.inner_dim,) for norm in norms):
-        return (f"q/k norms over {tuple(attn.norm_q.normalized_shape)}/{tuple(attn.norm_k.normalized_shape)}, not over "
-                f"all {attn.inner_dim} values of a token of q and of k")
-    if any(norm.weight is not None and norm.weight.dtype not in validation.ACTIVATION_DTYPES for norm in norms):
-        return "q/k norm weights of a dtype qk_norm_rope_ does not take"
-    return None
+def _rows(x, head_dim):
+    return x.reshape(-1, 1, head_dim)  # diffusers' norm output: a fresh [B, S, H * Dh] tensor, viewed
 
 
 class LTXRopeProcessor(patching.DitopsProcessor):
-    """The ditops part of the LTX processors (subclasses below take diffusers' arguments): q, k
-    and v through diffusers' projections; in a self-attention (one table for q and k) whose
-    norms qk_norm_rope_ takes (``fused_norms``, set by ``patch``) the q/k RMSNorms over all heads
-    and the RoPE as one qk_norm_rope_(norm_over="token"), else diffusers' norm_q / norm_k and
-    the RoPE as rope_ (in an audio-video attention a call each for q and k, whose tables and
-    token counts differ). The tables are read where diffusers put them (``_tables``): no copy.
-    Attention through dispatch_attention_fn with this processor's backend and parallel config."""
-
-    fused_norms = False
+    """The ditops part of the LTX processors (subclasses below take diffusers' arguments):
+    q and k through diffusers' projections and q/k norms, the RoPE as rope_ on them, attention
+    through dispatch_attention_fn with this processor's backend and parallel config."""
 
     def fits(self, attn, hidden_states, context, query_table, key_table, rope_type) -> bool:
-        return (_table_fits(query_table, rope_type, *hidden_states.shape[:2], attn.inner_dim, attn.head_dim)
+        # Under torch.compile diffusers' RoPE stays: rope_'s cache is a copy of the tables per
+        # call (split: [B, H, S, Dh / 2] transposed to token-major rows), which Inductor's fused
+        # RoPE does without, reading the tables where they lie (H100, benchmarks/models.py,
+        # LTX-2 512x768: compiled 0.93x diffusers with rope_, 1.01x without; CUDA graphs 0.95x
+        # and 0.985x).
+        return (not torch.compiler.is_compiling() and _table_fits(query_table, rope_type, *hidden_states.shape[:2], attn.inner_dim, attn.head_dim)
                 and _table_fits(key_table, rope_type, *context.shape[:2], attn.inner_kv_dim, attn.head_dim))
-
-    def norms_bypassed(self, attn, key_table) -> bool:
-        """Whether this call's q/k norms are qk_norm_rope_'s: one table for q and k (a
-        self-attention; ``fits`` then holds q and k to one token count), where ``patch`` found
-        the norms fit. A hook on either sends such a call to diffusers' processor."""
-        return key_table is None and self.fused_norms
 
     def rotary_attention(self, attn, hidden_states, context, query_table, key_table, rope_type) -> torch.Tensor:
         """Attention of [B, S, H * Dh] rows, before the output projection; key_table None: the
-        query's (one table for q and k)."""
-        interleaved, heads = rope_type == "interleaved", attn.heads
-        query, key, value = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
-        cos, sin = _tables(query_table, rope_type, heads)
-        weights = (attn.norm_q.weight, attn.norm_k.weight)
-        if self.norms_bypassed(attn, key_table) and all(w is None or w.dtype == query.dtype for w in weights):
-            # q and k as returned: under torch.compile on a GPU the graph's new tensors
-            query, key = ops.qk_norm_rope_(query.unflatten(2, (heads, -1)), key.unflatten(2, (heads, -1)), *weights,
-                                           cos=cos, sin=sin, interleaved=interleaved, eps=attn.norm_q.eps,
-                                           norm_over="token")
-        else:  # diffusers' norms (a weight of another dtype: torch's RMSNorm returns the promoted dtype)
-            query, key = attn.norm_q(query).unflatten(2, (heads, -1)), attn.norm_k(key).unflatten(2, (heads, -1))
-            if key_table is None:
-                query, key = ops.rope_(query, key, cos=cos, sin=sin, interleaved=interleaved)
-            else:
-                query = ops.rope_(query, None, cos=cos, sin=sin, interleaved=interleaved)[0]
-                key_cos, key_sin = _tables(key_table, rope_type, heads)
-                key = ops.rope_(key, None, cos=key_cos, sin=key_sin, interleaved=interleaved)[0]
-        out = self.attention(query, key, value.unflatten(2, (heads, -1)))
-        return out.flatten(2, 3).type_as(query)
+        query's (one cache for q and k)."""
+        query = _rows(attn.norm_q(attn.to_q(hidden_states)), attn.head_dim)
+        key = _rows(attn.norm_k(attn.to_k(context)), attn.head_dim)
+        interleaved = rope_type == "interleaved"
+        if key_table is None:
+            ops.rope_(query, key, _cache(query_table, rope_type, attn.head_dim), interleaved=interleaved)
+        else:
+            ops.rope_(query, None, _cache(query_table, rope_type, attn.head_dim), interleaved=interleaved)
+            ops.rope_(key, None, _cache(key_table, rope_type, attn.head_dim), interleaved=interleaved)
+        query, key, value = (x.view(*source.shape[:2], attn.heads, -1) for x, source in
+                             ((query, hidden_states), (key, context), (attn.to_v(context), context)))
+        return self.attention(query, key, value).flatten(2, 3).type_as(query)
 
 
 class LTXVideoRopeProcessor(LTXRopeProcessor):
-    """diffusers' LTXVideoAttnProcessor with the q/k norms and the RoPE as qk_norm_rope_ (or the
-    RoPE as rope_; ``LTXRopeProcessor``). Calls without rotary tables, with a mask or context,
-    with tables of another shape, or with a hook on a norm that qk_norm_rope_ would compute go
-    to diffusers' processor."""
+    """diffusers' LTXVideoAttnProcessor with the RoPE as rope_ (``LTXRopeProcessor``). Calls
+    without rotary tables, with a mask or context, or with tables of another shape go to
+    diffusers' processor."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if (image_rotary_emb is None or encoder_hidden_states is not None or attention_mask is not None
-                or not self.fits(attn, hidden_states, hidden_states, image_rotary_emb, image_rotary_emb, "interleaved")
-                or self.norms_bypassed(attn, None) and patching.hooked(attn, NORMS)):
+                or not self.fits(attn, hidden_states, hidden_states, image_rotary_emb, image_rotary_emb, "interleaved")):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         out = self.rotary_attention(attn, hidden_states, hidden_states, image_rotary_emb, None, "interleaved")
         return attn.to_out[1](attn.to_out[0](out))
 
 
 class LTX2RopeProcessor(LTXRopeProcessor):
-    """diffusers' LTX2AudioVideoAttnProcessor with the q/k norms and the RoPE as qk_norm_rope_
-    (or the RoPE as rope_; ``LTXRopeProcessor``), then its per-head output gates where the
-    attention has them. Calls without rotary tables, with a mask, with tables of another shape,
-    or with a hook on a norm that qk_norm_rope_ would compute go to diffusers' processor."""
+    """diffusers' LTX2AudioVideoAttnProcessor with the RoPE as rope_ (``LTXRopeProcessor``), then
+    its per-head output gates where the attention has them. Calls without rotary tables, with a
+    mask, or with tables of another shape go to diffusers' processor."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None):
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         if (query_rotary_emb is None or attention_mask is not None
                 or not self.fits(attn, hidden_states, context, query_rotary_emb,
-                                 query_rotary_emb if key_rotary_emb is None else key_rotary_emb, attn.rope_type)
-                or self.norms_bypassed(attn, key_rotary_emb) and patching.hooked(attn, NORMS)):
+                                 query_rotary_emb if key_rotary_emb is None else key_rotary_emb, attn.rope_type)):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
                               key_rotary_emb)
         out = self.rotary_attention(attn, hidden_states, context, query_rotary_emb, key_rotary_emb, attn.rope_type)
@@ -347,9 +304,9 @@ def _ltx_processor_class(attn):
 
 _LTX2 = dict(norms=_LTX2_NORMS, forward=_ltx2_block_forward, processor_class=_ltx2_processor_class,
              rotary=("attn1", "audio_attn1", "audio_to_video_attn", "video_to_audio_attn"),
-             self_attention=("attn1", "audio_attn1"), text=("attn2", "audio_attn2"), output="norm_out, audio_norm_out")
+             text=("attn2", "audio_attn2"), output="norm_out, audio_norm_out")
 _LTX = dict(norms=_LTX_NORMS, forward=_ltx_block_forward, processor_class=_ltx_processor_class, rotary=("attn1",),
-            self_attention=("attn1",), text=("attn2",), output="norm_out")
+            text=("attn2",), output="norm_out")
 
 
 def _sites(norms) -> list:
@@ -358,21 +315,6 @@ def _sites(norms) -> list:
               "audio_to_video_norm": "residual_norm_scale_shift, norm_scale_shift",
               "video_to_audio_norm": "residual_norm_scale_shift, norm_scale_shift"}
     return [(name, ops_of.get(name, "residual_norm_scale_shift")) for name in norms]
-
-
-def _patch_attention(patches: list, report, attn, path: str, processor_class, self_attention: bool) -> None:
-    """The ditops processor for a rotary attention: in a self-attention whose q/k norms fit,
-    those norms and the RoPE as one qk_norm_rope_; else the RoPE as rope_, the norms reported."""
-    refusal = _norms_refusal(attn) if self_attention else (
-        "a query and a key of two streams, each turned by tables of its own (qk_norm_rope_ takes q and k of one "
-        "token count)")
-    patching.replace_processor(patches, report, attn, path, processor_class is not None, processor_class,
-                               QK_NORM_ROPE if refusal is None else "rope_")
-    if processor_class is None:
-        return
-    attn.processor.fused_norms = refusal is None
-    if refusal is not None:
-        report.skipped.append(f"{path}: {refusal}; its q/k RMSNorms stay diffusers' norm_q / norm_k")
 
 
 def patch(model, patches: list, report) -> None:
@@ -392,8 +334,11 @@ def patch(model, patches: list, report) -> None:
             report.replaced += [(f"{path}.{name}", op) for name, op in _sites(family["norms"])]
         for name in family["rotary"]:
             attn = getattr(block, name)
-            _patch_attention(patches, report, attn, f"{path}.{name}", family["processor_class"](attn),
-                             name in family["self_attention"])
+            processor_class = family["processor_class"](attn)
+            patching.replace_processor(patches, report, attn, f"{path}.{name}", processor_class is not None,
+                                       processor_class, "rope_")
         report.skipped += [f"{path}.{name}: text cross-attention, q/k RMSNorm without RoPE; left as it is"
                            for name in family["text"]]
+    report.skipped.append("the attentions' q/k RMSNorm over all heads together (not per head as qk_norm_rope_ "
+                          "computes): diffusers' norm_q / norm_k")
     report.skipped.append(f"{family['output']}: the output LayerNorm and its modulation; left as it is")
