@@ -131,14 +131,15 @@ def store_quantized(y, y_scale, static_scale, row, hidden, values, values_tail, 
     amax over FP8_MAX, floored at 1e-12 / FP8_MAX, and NaN for a row holding NaN or Inf; or
     the one static scale, values beyond +-FP8_MAX saturating (NaN stays NaN). Comparisons
     against FLT_MAX find NaN and Inf (Triton's max drops NaN)."""
-    finite = (tl.abs(values) <= 3.4028234663852886e38).to(tl.int32)
-    finite_tail = (tl.abs(values_tail) <= 3.4028234663852886e38).to(tl.int32)
     if HAS_STATIC_SCALE:
         scale = tl.zeros_like(tl.sum(values, axis=1)[:, None]) + tl.load(static_scale).to(tl.float32)
     else:
-        amax = tl.maximum(tl.max(tl.abs(values), axis=1), tl.max(tl.abs(values_tail), axis=1))[:, None]
-        bad = (tl.min(finite, axis=1) * tl.min(finite_tail, axis=1))[:, None] == 0
-        scale = tl.where(bad, float("nan"), tl.maximum(amax, 1e-12) / FP8_MAX)
+        # the magnitudes' bits order as their values, with Inf above every finite value and NaN
+        # above Inf: one integer max per tile finds the amax and whether the row is finite
+        bits = tl.maximum(tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
+                          tl.max(values_tail.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))[:, None]
+        amax = bits.to(tl.float32, bitcast=True)
+        scale = tl.where(bits >= 0x7F800000, float("nan"), tl.maximum(amax, 1e-12) / FP8_MAX)
     inverse = 1.0 / scale  # one division per row: an IEEE division per value made the kernel compute-bound
     tl.store(y + row * hidden + head, _saturate(values * inverse, FP8_MAX).to(y.dtype.element_ty), mask=head_mask,
              eviction_policy="evict_first")
