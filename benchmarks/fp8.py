@@ -147,7 +147,8 @@ def combine(paths: list) -> dict:
     three does not fit in one 10-minute command: torchao's first compile alone took over 340 s):
     per (model, resolution, mode), each way's fields from the run that timed it, the ratios
     recomputed, and ``runs``: which file each way's time came from (timings of separate
-    processes; in one run the ways take turns)."""
+    processes; in one run the ways take turns), kept as it was where a row comes from a file
+    combined before."""
     documents = [json.loads(Path(path).read_text()) for path in paths]
     merged, rows = dict(documents[0], rows=[], combined_from=[str(path) for path in paths]), {}
     for path, document in zip(paths, documents):
@@ -159,7 +160,7 @@ def combine(paths: list) -> dict:
                     for field in (f"{way}_ms", f"rel_err_{way}", f"compile_s_{way}"):
                         if field in row:
                             target[field] = row[field]
-                    target["runs"][way] = str(path)
+                    target["runs"][way] = row.get("runs", {}).get(way) or str(path)
     for row in rows.values():
         for way in ("bf16", "torchao"):
             have = row.get(f"{way}_ms") is not None and row.get("ditops_ms") is not None
