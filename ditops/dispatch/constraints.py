@@ -147,7 +147,7 @@ def autograd(wanted: bool, f: Features) -> Reason:
 
 def compiled_graph(wanted: bool, f: Features) -> Reason:
     if f.traced and not wanted:
-        return "leaves a compiled graph to Inductor's fusion of the reference math (measured faster there)"
+        return "leaves calls in a compiled graph to what Inductor launches itself (measured faster there)"
 
 
 def fp8_output(wanted: bool, f: Features) -> Reason:
