@@ -554,6 +554,23 @@ def test_the_rope_preference_holds_for_the_measured_layout_and_head_sizes(name, 
         assert explanation.selected == expected, tokens
 
 
+@pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+@pytest.mark.parametrize("op", [op for op in dispatch.OPS if SPECS[op].quantized])
+def test_fp8_ops_run_cuda_in_eager_calls_and_triton_in_compiled_graphs(op, name):
+    """A compiled graph launches Triton's kernel itself, where cuda would be a library op that
+    costs host time every call (registry.yaml); a forced backend is obeyed there too."""
+    if CUDA_REFUSAL:
+        pytest.skip(CUDA_REFUSAL)
+    for tokens in (16, 333):  # never by token count
+        arguments = example_arguments(op, (1, tokens, 3072), torch.bfloat16, param_dtype=torch.bfloat16)
+        with _named("sm_90", name):
+            assert ditops.explain(op, **arguments).selected == "cuda"
+            traced = ditops.explain(op, **arguments, compiled=True)
+            assert traced.selected == "triton"
+            assert refusals_of(traced)["cuda"].startswith("leaves calls in a compiled graph")
+            assert ditops.explain(op, **arguments, compiled=True, backend="cuda").selected == "cuda"
+
+
 def test_a_preferred_backend_that_refuses_leaves_the_order_of_ops():
     arguments = example_arguments("residual_norm_scale_shift", (1, 4, 5120), torch.bfloat16)  # mixed parameter dtypes
     with _named("sm_90", "NVIDIA H200"):
