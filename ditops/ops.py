@@ -23,9 +23,11 @@ Dynamo reads nothing of the registry. An op on a GPU becomes ``<op>_traced``, a 
 ``torch.library.triton_op`` whose body, run when the graph is traced, chooses the backend
 from the tensors' metadata: a kernel that traces (``Kernel.trace``: Triton's, handed to
 Inductor through ``wrap_triton``) is launched by Inductor from its own generated code; any
-other choice becomes the plain library op. An in-place op's node returns new q and k,
-copied back into q and k (functionalization drops those copies where q and k are
-intermediates of the graph). Every op on the CPU is the plain ``torch.library`` op (``(a!)``
+other choice becomes the plain library op. The node's last argument, ``traced_state``, names
+the settings that choice read (dispatch/selector.py), so that a changed override traces again
+and torch's compile caches never serve a graph traced under other settings. An in-place
+op's node returns new q and k, copied back into q and k (functionalization drops those
+copies where q and k are intermediates of the graph). Every op on the CPU is the plain ``torch.library`` op (``(a!)``
 marks what the in-place ops write), whose kernel is the eager path above.
 
 Kernels are called as ``run(*op_arguments, *outputs)``: the op's arguments in the order of
@@ -44,7 +46,7 @@ from torch import Tensor
 
 from .dispatch import Features
 from .dispatch.registry import Implementation, declare_op
-from .dispatch.selector import candidates, choose, dispatcher, format_table, select, signature_key
+from .dispatch.selector import candidates, choose, dispatcher, format_table, select, signature_key, traced_state
 from .dispatch import selector
 from .dispatch.signature import data_pointers
 from .opspec import SPECS, OpSpec, fp8_format
@@ -180,8 +182,12 @@ class Op:
             return self.traced_reference(arguments)
         # Dynamo reads nothing of the registry here: each object it read would be a guard
         # checked on every call of the compiled code, and a first read (a file, an import)
-        # a graph break. The choice is made where the graph node is traced (_register_traced).
-        result = getattr(torch.ops.ditops, self.name + ("_traced" if arguments[0].is_cuda else ""))(*arguments, backend)
+        # a graph break. The choice is made where the graph node is traced (_register_traced),
+        # and the node carries what that choice depends on (selector.traced_state).
+        if arguments[0].is_cuda:
+            result = getattr(torch.ops.ditops, self.name + "_traced")(*arguments, backend, traced_state(self.name, backend))
+        else:
+            result = getattr(torch.ops.ditops, self.name)(*arguments, backend)
         if self.in_place and arguments[0].is_cuda:
             # The functional node's new q and k, copied back: where q and k are intermediates
             # of the graph (every patched processor), functionalization removes the copies.
@@ -237,7 +243,8 @@ class Op:
         positions_at = names.index("positions") if self.in_place else None
 
         def body(*arguments):
-            op_arguments, backend = arguments[:-1], arguments[-1]
+            # the last argument, selector.traced_state, only keys the compile caches
+            op_arguments, backend, library_arguments = arguments[:-2], arguments[-2], arguments[:-1]
             features = self.check(*op_arguments)
             trace = None
             if features is not None and (positions_at is None or op_arguments[positions_at] is None):
@@ -249,9 +256,9 @@ class Op:
                 trace = chosen.kernel.trace if chosen.kernel.traces else None
             if trace is None:
                 if not self.in_place:
-                    return getattr(torch.ops.ditops, self.name)(*arguments)
+                    return getattr(torch.ops.ditops, self.name)(*library_arguments)
                 q, k = (t.clone() if t is not None else None for t in op_arguments[:2])
-                getattr(torch.ops.ditops, self.name)(q, k, *arguments[2:])
+                getattr(torch.ops.ditops, self.name)(q, k, *library_arguments[2:])
                 return q, (k if k is not None else q.new_empty(0))
             if self.in_place:
                 q, k = op_arguments[:2]
@@ -263,7 +270,8 @@ class Op:
             return outputs[0] if len(outputs) == 1 else outputs
 
         functional = torch._C.parse_schema(
-            self.name + self.schema.replace("(a!)", "").replace("(b!)", "").replace("-> ()", "-> (Tensor, Tensor)"))
+            self.name + self.schema.replace("(a!)", "").replace("(b!)", "").replace("-> ()", "-> (Tensor, Tensor)")
+            .replace("str? backend)", "str? backend, str traced_state)"))
         body.__signature__ = _python_signature(functional)  # triton_op reads its schema from this
         torch.library.triton_op(f"ditops::{self.name}_traced", body, mutates_args=())
 

@@ -6,6 +6,7 @@ import gc
 import re
 import threading
 import types
+import uuid
 import weakref
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import ditops
 from ditops import dispatch, ops
-from ditops.dispatch import simulated_device
+from ditops.dispatch import selector, simulated_device
 from ditops.dispatch.contract import Kernel
 from ditops.examples import example_arguments
 from ditops.ops import OPS
@@ -447,21 +448,27 @@ def test_a_first_call_compiled_on_a_gpu_makes_one_graph(op):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: only a GPU call compiles to a Triton node")
-def test_a_compiled_triton_node_keeps_its_backend_until_dynamo_is_reset():
-    """A Triton node chose its backend when traced; Inductor launches it with no ditops code
-    in between, so an override set after compiling is not seen (no recompile either) until
-    ``torch._dynamo.reset()``, after which the next trace reads it."""
+def test_a_compiled_triton_node_is_traced_again_when_the_override_changes():
+    """A Triton node chose its backend when traced and Inductor launches it with no ditops code
+    in between; the node's traced_state argument makes Dynamo guard on the overrides, so an
+    override set after compiling traces the call again, and leaving it uses the first graph."""
     torch._dynamo.reset()
-    arguments = example_arguments("norm_scale_shift", (2, 64, 256), torch.bfloat16, device="cuda", seed=6)
-    expected = ditops.norm_scale_shift(**arguments)
-    compiled = torch.compile(lambda x: ditops.norm_scale_shift(**dict(arguments, x=x)), fullgraph=True)
-    torch.testing.assert_close(compiled(arguments["x"]), expected)
+    arguments = example_arguments("rope_", (64, 4, 64), torch.bfloat16, device="cuda", seed=6)
+    names = ("q", "k")
+
+    def call(q, k):
+        return ditops.rope_(**dict(arguments, q=q, k=k))
+
+    expected = call(*(arguments[name].clone() for name in names))
+    compiled = torch.compile(call, fullgraph=True)
+    for got, want in zip(compiled(*(arguments[name].clone() for name in names)), expected):
+        torch.testing.assert_close(got, want)
     with ditops.use_backend("nosuchbackend"):
-        torch.testing.assert_close(compiled(arguments["x"]), expected)  # the traced Triton node, unchanged
-        torch._dynamo.reset()
         # raised by the node's body while Dynamo traces it, which wraps what it raises
         with pytest.raises((ditops.BackendUnavailable, torch._dynamo.exc.TorchDynamoException), match="nosuchbackend"):
-            compiled(arguments["x"])
+            compiled(*(arguments[name].clone() for name in names))
+    for got, want in zip(compiled(*(arguments[name].clone() for name in names)), expected):
+        torch.testing.assert_close(got, want)
     torch._dynamo.reset()
 
 
@@ -477,14 +484,14 @@ def test_the_traced_node_chooses_when_it_runs(simulated):
     ordered, _ = ops.ordered_arguments("norm_scale_shift", **arguments)
     context = simulated_device("sm_90") if simulated else contextlib.nullcontext()
     with context:
-        got = torch.ops.ditops.norm_scale_shift_traced(*ordered, None)
+        got = torch.ops.ditops.norm_scale_shift_traced(*ordered, None, "")
         expected = ditops.norm_scale_shift(**arguments, backend="reference")
         # traced as a graph is: the body runs on fake tensors
-        node = torch.compile(lambda *values: torch.ops.ditops.norm_scale_shift_traced(*values, None),
+        node = torch.compile(lambda *values: torch.ops.ditops.norm_scale_shift_traced(*values, None, ""),
                              backend="aot_eager", fullgraph=True)
         torch.testing.assert_close(node(*ordered), expected)
         with pytest.raises(ditops.BackendUnavailable, match="nosuchbackend"):
-            torch.ops.ditops.norm_scale_shift_traced(*ordered, "nosuchbackend")
+            torch.ops.ditops.norm_scale_shift_traced(*ordered, "nosuchbackend", "")
     torch.testing.assert_close(got, expected)
 
 
@@ -501,8 +508,81 @@ def test_the_compiled_choice_follows_the_registry_and_yields_to_a_force(op, comp
         assert explained.selected == compiled_choice
         assert "traced into a compiled graph" in str(explained)
         if compiled_choice == "reference":
-            assert "leaves a compiled graph to Inductor" in str(explained)
+            assert "leaves calls in a compiled graph to what Inductor launches" in str(explained)
         assert ditops.explain(op, **arguments, backend="triton", compiled=True).selected == "triton"
+
+
+def _compiled_node(op: str):
+    """A compiled function holding ``op``'s graph node as ``Op.__call__`` emits it on a GPU."""
+    return torch.compile(lambda *values: getattr(torch.ops.ditops, op + "_traced")(
+        *values, None, selector.traced_state(op, None)), fullgraph=True)
+
+
+def test_a_compiled_node_is_traced_again_when_an_override_or_config_changes(tmp_path):
+    """The node's last argument names the settings its traced choice read: a use_backend scope
+    set after compiling makes Dynamo trace again (its guard on the scopes fails), and after
+    ``torch._dynamo.reset()`` a graph compiled under another config is not served from torch's
+    compile caches (AOTAutograd's, in memory and on disk), which key on the graph: the choice
+    itself is made inside the node, after the cache lookup."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32, seed=9)
+    ordered, _ = ops.ordered_arguments("norm_scale_shift", **arguments)
+    expected = ditops.norm_scale_shift(**arguments, backend="reference")
+    compiled = _compiled_node("norm_scale_shift")
+    torch.testing.assert_close(compiled(*ordered), expected)
+    with ditops.use_backend("nosuchbackend"):  # raised by the node's body while Dynamo traces it again
+        with pytest.raises((ditops.BackendUnavailable, torch._dynamo.exc.TorchDynamoException), match="nosuchbackend"):
+            compiled(*ordered)
+    torch.testing.assert_close(compiled(*ordered), expected)
+
+    def cache_hits() -> int:
+        torch._dynamo.reset()
+        before = counters["aot_autograd"]["autograd_cache_hit"]
+        torch.testing.assert_close(_compiled_node("norm_scale_shift")(*ordered), expected)
+        return counters["aot_autograd"]["autograd_cache_hit"] - before
+
+    assert cache_hits() == 1  # the same settings: served from the cache
+    config = tmp_path / "order.yaml"  # a config no earlier run compiled under (the on-disk cache outlives runs)
+    config.write_text(f"# {uuid.uuid4()}\nops:\n  rope_: [triton, cuda]\n")
+    dispatch.load_config(config)
+    try:
+        assert cache_hits() == 0
+    finally:
+        dispatch.reset()
+        torch._dynamo.reset()
+
+
+def test_the_traced_state_changes_with_each_setting_a_traced_choice_reads(tmp_path, monkeypatch):
+    state = selector.traced_state("rope_", None)
+    assert selector.traced_state("rope_", "triton") == state  # a backend= argument is in the graph itself
+    with ditops.use_backend("triton"):
+        assert selector.traced_state("rope_", None) != state
+        assert selector.traced_state("rope_", "cuda") == state
+    with ditops.use_backend(rope_="cuda"):
+        assert selector.traced_state("rope_", None) != state
+        assert selector.traced_state("norm_scale_shift", None) == state
+    config = tmp_path / "order.yaml"
+    config.write_text("ops:\n  rope_: [triton, cuda]\n")
+    dispatch.load_config(config)
+    first = selector.traced_state("rope_", None)
+    config.write_text("ops:\n  rope_: [cuda, triton]\n")
+    dispatch.load_config(config)
+    assert len({state, first, selector.traced_state("rope_", None)}) == 3
+    dispatch.reset()
+    assert selector.traced_state("rope_", None) == state
+    monkeypatch.setenv("DITOPS_BACKEND", "triton")
+    dispatch.reset()
+    assert selector.traced_state("rope_", None) != state
+    monkeypatch.delenv("DITOPS_BACKEND")
+    dispatch.reset()
+    assert selector.traced_state("rope_", None) == state
+    # ditops' own files: another kernel or registry is another state
+    for name, text in (("a", "x = 1\n"), ("b", "x = 2\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kernel.py").write_text(text)
+    assert selector.package_digest(tmp_path / "a") != selector.package_digest(tmp_path / "b")
 
 
 def test_a_reference_choice_is_traced_into_the_graph_as_math():
@@ -511,7 +591,7 @@ def test_a_reference_choice_is_traced_into_the_graph_as_math():
     torch._dynamo.reset()
     arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32, seed=8)
     ordered, _ = ops.ordered_arguments("norm_scale_shift", **arguments)
-    compiled = torch.compile(lambda *values: torch.ops.ditops.norm_scale_shift_traced(*values, None) * 2, fullgraph=True)
+    compiled = torch.compile(lambda *values: torch.ops.ditops.norm_scale_shift_traced(*values, None, "") * 2, fullgraph=True)
     got, codes = torch._inductor.utils.run_and_get_code(compiled, *ordered)
     torch.testing.assert_close(got, ditops.norm_scale_shift(**arguments, backend="reference") * 2)
     assert codes and not any("ditops" in code for code in codes)
@@ -523,7 +603,7 @@ def test_the_traced_node_returns_an_empty_input_as_eager_does():
     arguments = example_arguments("norm_scale_shift", (2, 5, 64), torch.float32, seed=4)
     arguments["x"] = arguments["x"][:, :0]
     ordered, _ = ops.ordered_arguments("norm_scale_shift", **arguments)
-    got = torch.ops.ditops.norm_scale_shift_traced(*ordered, None)
+    got = torch.ops.ditops.norm_scale_shift_traced(*ordered, None, "")
     assert got.shape == (2, 0, 64) and got.dtype == torch.float32
     torch.testing.assert_close(got, ditops.norm_scale_shift(**arguments))
 
@@ -590,7 +670,7 @@ def test_the_traced_node_of_an_in_place_op_returns_new_q_and_k(simulated, op, wi
     ordered, _ = ops.ordered_arguments(op, **arguments)
     before = [arguments[name].clone() for name in ("q", "k")]
     with simulated_device("sm_90") if simulated else contextlib.nullcontext():
-        new_q, new_k = getattr(torch.ops.ditops, op + "_traced")(*ordered, None)
+        new_q, new_k = getattr(torch.ops.ditops, op + "_traced")(*ordered, None, "")
     torch.testing.assert_close([arguments["q"], arguments["k"]], before, rtol=0, atol=0)
     expected = dict(arguments, q=before[0].clone(), k=before[1].clone())
     ops.PUBLIC[op](**expected, backend="reference")

@@ -70,10 +70,12 @@ def test_in_place_ops_declare_their_mutations():
 @pytest.mark.parametrize("op", OPS)
 def test_the_traced_op_takes_the_public_ops_argument_types(op):
     """A GPU graph holds ``<op>_traced``, whose schema triton_op infers from a Python signature
-    built from the op's: each argument keeps its type (a ScalarType must not become an int)."""
+    built from the op's: each argument keeps its type (a ScalarType must not become an int),
+    then traced_state, the settings its traced choice read."""
     public = getattr(torch.ops.ditops, op).default._schema
     traced = getattr(torch.ops.ditops, op + "_traced").default._schema
-    assert [(a.name, str(a.real_type)) for a in traced.arguments] == [(a.name, str(a.real_type)) for a in public.arguments]
+    assert [(a.name, str(a.real_type)) for a in traced.arguments] == [
+        (a.name, str(a.real_type)) for a in public.arguments] + [("traced_state", "str")]
 
 
 def dit_block(x, residual, q, k, modulation, weight, cache, gate_index):

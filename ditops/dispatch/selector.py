@@ -11,9 +11,12 @@ the registry (after user YAML) that accepts is taken.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
@@ -21,7 +24,7 @@ import torch
 from . import device as device_module
 from .constraints import DEVICE_CHECKS
 from .features import Features
-from .registry import BUILTIN_REGISTRY, OPS, Implementation, Registry, op_name
+from .registry import BUILTIN_REGISTRY, MAX_CONFIG_BYTES, OPS, Implementation, Registry, op_name
 from .signature import PlanTable
 
 logger = logging.getLogger("ditops")
@@ -58,6 +61,42 @@ class _Dispatcher:
         self.env_forced = parse_backend_setting(os.environ.get("DITOPS_BACKEND", ""), "DITOPS_BACKEND")
         self.plans = PlanTable()  # ditops.ops.Plan by call signature
         self.warned: set = set()
+        global _settings_state
+        _settings_state = settings_state(self.user_configs)
+
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def package_digest(root: Path = PACKAGE) -> str:
+    """A hash of ditops' own files under ``root`` (code, kernels, configs): what a choice made
+    while a graph is traced, and the Triton kernel it hands to Inductor, come from."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".yaml", ".cu", ".cuh"):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def settings_state(user_configs: list) -> str:
+    """ditops' files, the config files (DITOPS_CONFIG, then ``user_configs``) as they read now,
+    and DITOPS_BACKEND, in one short hash."""
+    digest = hashlib.sha256(package_digest().encode())
+    env_config = os.environ.get("DITOPS_CONFIG")
+    for path in ([env_config] if env_config else []) + list(user_configs):
+        try:
+            text = Path(path).read_bytes()[:MAX_CONFIG_BYTES]
+        except OSError:  # Registry.load names the file when it loads it
+            text = b""
+        digest.update(str(path).encode() + b"\0" + text + b"\0")
+    digest.update(os.environ.get("DITOPS_BACKEND", "").encode())
+    return digest.hexdigest()[:16]
+
+
+# The settings of the last reload, ready before the registry is first read: reading it while
+# Dynamo traces a call must not read files (a graph break).
+_settings_state = settings_state([])
 
 
 def parse_backend_setting(text: str, where: str) -> dict:
@@ -123,6 +162,21 @@ def use_backend(backend: Optional[str] = None, **per_op: str) -> Iterator[None]:
         yield
     finally:
         _scopes.stack.pop()
+
+
+def traced_state(op: str, backend: Optional[str]) -> str:
+    """What the choice for ``op``'s call traced into a compiled graph depends on besides the
+    call's own arguments: ditops' files, the configs and DITOPS_BACKEND of the last reset,
+    the ``use_backend`` scopes in force. The graph node takes it as an argument: Dynamo guards
+    on what this reads, so a changed override recompiles, and torch's compile caches (in
+    memory and on disk) key on the graph, so none serves a graph traced under other settings
+    or other ditops code."""
+    if backend is None:
+        for scope in reversed(_scopes.stack):
+            name = scope.get(op) or scope.get(ALL_OPS)
+            if name:
+                return f"{_settings_state} use_backend={name}"
+    return _settings_state
 
 
 def forced_backend(op: str, backend: Optional[str]) -> tuple:
