@@ -208,6 +208,36 @@ def test_z_image_runs_the_gated_add_ops(monkeypatch):
     assert sorted(calls) == sorted(["norm_scale_shift", "add_gate_norm_scale", "add_gate_norm"] * 3 + ["qk_norm_rope_"] * 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_z_image_noise_mask_blocks_run_the_ops_with_per_token_modulation(dtype, monkeypatch):
+    """Z-Image Omni's blocks with noise_mask: each token takes the noisy or the clean
+    modulation; patched, the same three norm ops take them as [B, S, D] tensors and match
+    diffusers' block."""
+    model, _, _ = tiny_z_image(dtype)
+    block, generator = model.layers[0], torch.Generator().manual_seed(5)
+    batch, tokens, embedding = 2, 11, block.adaLN_modulation[0].in_features
+    x = torch.randn(batch, tokens, model.dim, generator=generator).to(dtype)
+    positions = torch.randint(0, 8, (batch * tokens, 3), generator=generator)
+    freqs_cis = model.rope_embedder(positions).view(batch, tokens, -1)
+    noise_mask = torch.randint(0, 2, (batch, tokens), generator=generator)
+    assert 0 < noise_mask.sum() < noise_mask.numel()
+    noisy, clean = (torch.randn(batch, embedding, generator=generator).to(dtype) for _ in range(2))
+
+    def call():
+        return block(x, None, freqs_cis, noise_mask=noise_mask, adaln_noisy=noisy, adaln_clean=clean)
+
+    expected = call()
+    integration.apply(model)
+    calls = recorded_calls(monkeypatch, ("norm_scale_shift", "add_gate_norm_scale", "add_gate_norm"))
+    patched = call()
+    assert sorted(calls) == ["add_gate_norm", "add_gate_norm_scale", "norm_scale_shift"]
+    tolerance = TOLERANCE[dtype] * len(calls)  # each op rounds once where diffusers rounds each step
+    torch.testing.assert_close(patched, expected, atol=tolerance, rtol=tolerance)
+    assert (patched - expected).norm() / expected.norm() <= 4 * torch.finfo(dtype).eps
+    integration.remove(model)
+    assert torch.equal(call(), expected)
+
+
 def test_wan_runs_the_norm_ops_and_one_token_norm_qk_norm_rope_per_self_attention(monkeypatch):
     model, inputs, _ = tiny_wan(torch.float32)
     integration.apply(model)

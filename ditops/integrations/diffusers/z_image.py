@@ -1,9 +1,10 @@
 """Z-Image (``ZImageTransformer2DModel``) under ditops.
 
-- In blocks with one modulation for all tokens, the first RMSNorm and its scale ->
-  ``norm_scale_shift``; "x + tanh(gate) * RMSNorm(attention), then the FFN's RMSNorm and its
-  scale" -> ``add_gate_norm_scale``; the FFN's gated add -> ``add_gate_norm``. Per-token
-  modulation (``noise_mask``) runs as diffusers wrote it.
+- In modulated blocks, the first RMSNorm and its scale -> ``norm_scale_shift``; "x +
+  tanh(gate) * RMSNorm(attention), then the FFN's RMSNorm and its scale" ->
+  ``add_gate_norm_scale``; the FFN's gated add -> ``add_gate_norm``. With per-token modulation
+  (``noise_mask``: Z-Image Omni's noisy and clean tokens) the same ops take each token's
+  selected modulation as [B, S, D] tensors, selected as diffusers selects them.
 - Every attention's q/k RMSNorm + RoPE -> ``qk_norm_rope_`` on the per-image frequencies the
   model hands the block. diffusers 0.42 has no context-parallel plan for Z-Image.
 
@@ -44,14 +45,22 @@ def _gated_norm_fp8(x, attention, gate, scale, weight, weight2, eps):
 
 def _block_forward_of(first_norm, gated_norm):
     def forward(self, x, attn_mask, freqs_cis, adaln_input=None, noise_mask=None, adaln_noisy=None, adaln_clean=None):
-        """diffusers' ZImageTransformerBlock with one modulation for all tokens: the first RMSNorm
-        and its scale as norm_scale_shift, "x + tanh(gate) * norm(attention), then the FFN's
-        RMSNorm and its scale" as add_gate_norm_scale, and the FFN's gated add as add_gate_norm.
-        Per-token modulation (noise_mask) and blocks without modulation run as diffusers wrote them."""
-        if (not self.modulation or noise_mask is not None
-                or patching.hooked(self, ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"))):
+        """diffusers' ZImageTransformerBlock: the first RMSNorm and its scale as norm_scale_shift,
+        "x + tanh(gate) * norm(attention), then the FFN's RMSNorm and its scale" as
+        add_gate_norm_scale, and the FFN's gated add as add_gate_norm. With ``noise_mask`` each
+        token's modulation is the noisy or the clean one, selected as diffusers selects it, into
+        [B, S, D] tensors the ops take per token. Blocks without modulation run as diffusers wrote them."""
+        if not self.modulation or patching.hooked(self, ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2")):
             return type(self).forward(self, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
-        scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).unsqueeze(1).chunk(4, dim=2)
+        if noise_mask is None:
+            scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).unsqueeze(1).chunk(4, dim=2)
+        else:
+            from diffusers.models.transformers.transformer_z_image import select_per_token
+
+            # the raw values, selected before the ops take 1 + scale and tanh(gate) per value
+            noisy, clean = (self.adaLN_modulation(embedding).chunk(4, dim=1) for embedding in (adaln_noisy, adaln_clean))
+            scale_msa, gate_msa, scale_mlp, gate_mlp = (select_per_token(value_noisy, value_clean, noise_mask, x.shape[1])
+                                                        for value_noisy, value_clean in zip(noisy, clean))
         eps = self.attention_norm1.eps
         attention_input = first_norm(x, scale_msa, self.attention_norm1.weight, eps)
         attention = self.attention(attention_input, attention_mask=attn_mask, freqs_cis=freqs_cis)
