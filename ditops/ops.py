@@ -27,8 +27,9 @@ other choice becomes the plain library op. The node's last argument, ``traced_st
 the settings that choice read (dispatch/selector.py), so that a changed override traces again
 and torch's compile caches never serve a graph traced under other settings. An in-place
 op's node returns new q and k, copied back into q and k (functionalization drops those
-copies where q and k are intermediates of the graph). Every op on the CPU is the plain ``torch.library`` op (``(a!)``
-marks what the in-place ops write), whose kernel is the eager path above.
+copies where q and k are intermediates of the graph). Every op on the CPU is the plain
+``torch.library`` op (``(a!)`` marks what the in-place ops write), whose kernel is the eager
+path above.
 
 Kernels are called as ``run(*op_arguments, *outputs)``: the op's arguments in the order of
 its signature, then the new output tensors to write (none for in-place ops).
