@@ -208,12 +208,9 @@ def test_z_image_runs_the_gated_add_ops(monkeypatch):
     assert sorted(calls) == sorted(["norm_scale_shift", "add_gate_norm_scale", "add_gate_norm"] * 3 + ["qk_norm_rope_"] * 4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_z_image_noise_mask_blocks_run_the_ops_with_per_token_modulation(dtype, monkeypatch):
-    """Z-Image Omni's blocks with noise_mask: each token takes the noisy or the clean
-    modulation; patched, the same three norm ops take them as [B, S, D] tensors and match
-    diffusers' block."""
-    model, _, _ = tiny_z_image(dtype)
+def z_image_noise_mask_call(model, dtype):
+    """A call of the model's first layer as Z-Image Omni makes it: random noisy and clean
+    modulation inputs and a noise_mask holding both kinds of token."""
     block, generator = model.layers[0], torch.Generator().manual_seed(5)
     batch, tokens, embedding = 2, 11, block.adaLN_modulation[0].in_features
     x = torch.randn(batch, tokens, model.dim, generator=generator).to(dtype)
@@ -222,10 +219,16 @@ def test_z_image_noise_mask_blocks_run_the_ops_with_per_token_modulation(dtype, 
     noise_mask = torch.randint(0, 2, (batch, tokens), generator=generator)
     assert 0 < noise_mask.sum() < noise_mask.numel()
     noisy, clean = (torch.randn(batch, embedding, generator=generator).to(dtype) for _ in range(2))
+    return lambda: block(x, None, freqs_cis, noise_mask=noise_mask, adaln_noisy=noisy, adaln_clean=clean)
 
-    def call():
-        return block(x, None, freqs_cis, noise_mask=noise_mask, adaln_noisy=noisy, adaln_clean=clean)
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_z_image_noise_mask_blocks_run_the_ops_with_per_token_modulation(dtype, monkeypatch):
+    """Z-Image Omni's blocks with noise_mask: each token takes the noisy or the clean
+    modulation; patched, the same three norm ops take them as [B, S, D] tensors and match
+    diffusers' block."""
+    model, _, _ = tiny_z_image(dtype)
+    call = z_image_noise_mask_call(model, dtype)
     expected = call()
     integration.apply(model)
     calls = recorded_calls(monkeypatch, ("norm_scale_shift", "add_gate_norm_scale", "add_gate_norm"))

@@ -233,7 +233,8 @@ def test_fp8_under_torch_compile_matches_eager():
 
 diffusers = pytest.importorskip("diffusers")
 from ditops.integrations import diffusers as integration  # noqa: E402
-from test_diffusers_integration import recorded_calls, run, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image  # noqa: E402
+from test_diffusers_integration import (recorded_calls, run, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image,  # noqa: E402
+                                         z_image_noise_mask_call)
 
 FP8_OPS = ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "norm_scale_shift_select_fp8",
            "residual_norm_scale_shift_select_fp8", "add_gate_norm_scale_fp8", "quantize_fp8")
@@ -271,16 +272,7 @@ def test_apply_fp8_runs_every_linear_it_can_in_fp8_and_remove_restores_the_bf16_
 
 def test_z_image_noise_mask_blocks_feed_fp8_rows_with_per_token_modulation(monkeypatch):
     model, _, _ = TINY["z-image"](torch.bfloat16)
-    block, generator = model.layers[0], torch.Generator().manual_seed(5)
-    batch, tokens, embedding = 2, 11, block.adaLN_modulation[0].in_features
-    x = torch.randn(batch, tokens, model.dim, generator=generator).bfloat16()
-    freqs_cis = model.rope_embedder(torch.randint(0, 8, (batch * tokens, 3), generator=generator)).view(batch, tokens, -1)
-    noise_mask = torch.randint(0, 2, (batch, tokens), generator=generator)
-    noisy, clean = (torch.randn(batch, embedding, generator=generator).bfloat16() for _ in range(2))
-
-    def call():
-        return block(x, None, freqs_cis, noise_mask=noise_mask, adaln_noisy=noisy, adaln_clean=clean)
-
+    call = z_image_noise_mask_call(model, torch.bfloat16)
     expected = call()
     integration.apply(model, quantize="fp8")
     calls = recorded_calls(monkeypatch, FP8_OPS)

@@ -53,8 +53,7 @@ class _Dispatcher:
         """Re-reads the registry, DITOPS_CONFIG, the user configs and DITOPS_BACKEND; clears the cache."""
         registry = Registry()
         registry.load(BUILTIN_REGISTRY)
-        env_config = os.environ.get("DITOPS_CONFIG")
-        for path in ([env_config] if env_config else []) + self.user_configs:
+        for path in config_paths(self.user_configs):
             registry.load(path)
         self.registry = registry
         self.implementations = {op: registry.implementations(op) for op in OPS}
@@ -79,12 +78,17 @@ def package_digest(root: Path = PACKAGE) -> str:
     return digest.hexdigest()[:16]
 
 
-def settings_state(user_configs: list) -> str:
-    """ditops' files, the config files (DITOPS_CONFIG, then ``user_configs``) as they read now,
-    and DITOPS_BACKEND, in one short hash."""
-    digest = hashlib.sha256(package_digest().encode())
+def config_paths(user_configs: list) -> list:
+    """The user config files loaded over the registry, in order: DITOPS_CONFIG, then ``user_configs``."""
     env_config = os.environ.get("DITOPS_CONFIG")
-    for path in ([env_config] if env_config else []) + list(user_configs):
+    return ([env_config] if env_config else []) + list(user_configs)
+
+
+def settings_state(user_configs: list) -> str:
+    """ditops' files, the config files (config_paths) as they read now, and DITOPS_BACKEND,
+    in one short hash."""
+    digest = hashlib.sha256(package_digest().encode())
+    for path in config_paths(user_configs):
         try:
             text = Path(path).read_bytes()[:MAX_CONFIG_BYTES]
         except OSError:  # Registry.load names the file when it loads it
@@ -171,22 +175,26 @@ def traced_state(op: str, backend: Optional[str]) -> str:
     on what this reads, so a changed override recompiles, and torch's compile caches (in
     memory and on disk) key on the graph, so none serves a graph traced under other settings
     or other ditops code."""
-    if backend is None:
-        for scope in reversed(_scopes.stack):
-            name = scope.get(op) or scope.get(ALL_OPS)
-            if name:
-                return f"{_settings_state} use_backend={name}"
-    return _settings_state
+    scoped = _scoped_backend(op) if backend is None else None
+    return f"{_settings_state} use_backend={scoped}" if scoped else _settings_state
+
+
+def _scoped_backend(op: str) -> Optional[str]:
+    """The backend the innermost ``use_backend`` scope naming ``op`` (or every op) forces, if any."""
+    for scope in reversed(_scopes.stack):
+        name = scope.get(op) or scope.get(ALL_OPS)
+        if name:
+            return name
+    return None
 
 
 def forced_backend(op: str, backend: Optional[str]) -> tuple:
     """(backend name or None, what forced it)."""
     if backend is not None:
         return backend, "the backend= argument"
-    for scope in reversed(_scopes.stack):
-        name = scope.get(op) or scope.get(ALL_OPS)
-        if name:
-            return name, "use_backend()"
+    scoped = _scoped_backend(op)
+    if scoped:
+        return scoped, "use_backend()"
     env = dispatcher().env_forced
     name = env.get(op) or env.get(ALL_OPS)
     return (name, "DITOPS_BACKEND") if name else (None, "")
