@@ -429,8 +429,6 @@ def test_builtin_registry_on_simulated_devices(op, arch, dtype, expected, reason
             expected, reason = "reference", f"needs a GPU with hardware float8_e4m3fn (fp8_formats), not {arch}"
         elif op == "quantize_fp8" and arch == "gfx942" and not ROCM_REFUSAL:  # no parameters to mix: rocm takes it
             expected = "rocm"
-        elif op == "quantize_fp8" and arch == "sm_90" and reason is None and not CUDA_REFUSAL:  # cuda first on NVIDIA
-            expected = "cuda"
     assert explanation.selected == expected
     refusal = {row.backend: row.refusal for row in explanation.candidates}["triton"]
     assert refusal is None if reason is None else refusal.startswith(reason)
@@ -556,19 +554,24 @@ def test_the_rope_preference_holds_for_the_measured_layout_and_head_sizes(name, 
 
 @pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
 @pytest.mark.parametrize("op", [op for op in dispatch.OPS if SPECS[op].quantized])
-def test_fp8_ops_run_cuda_in_eager_calls_and_triton_in_compiled_graphs(op, name):
-    """A compiled graph launches Triton's kernel itself, where cuda would be a library op that
-    costs host time every call (registry.yaml); a forced backend is obeyed there too."""
+def test_fp8_ops_run_triton_on_nvidia_and_cuda_only_where_measured_faster_in_eager_calls(op, name):
+    """triton first for the FP8 ops on NVIDIA (registry.yaml); cuda for quantize_fp8's rows wider
+    than 12288 and the H200's residual_norm_scale_shift_fp8, in eager calls only: a compiled graph launches Triton's kernel
+    itself, where cuda would be a library op that costs host time every call. A forced backend
+    is obeyed there too."""
     if CUDA_REFUSAL:
         pytest.skip(CUDA_REFUSAL)
-    for tokens in (16, 333):  # never by token count
-        arguments = example_arguments(op, (1, tokens, 3072), torch.bfloat16, param_dtype=torch.bfloat16)
-        with _named("sm_90", name):
-            assert ditops.explain(op, **arguments).selected == "cuda"
-            traced = ditops.explain(op, **arguments, compiled=True)
-            assert traced.selected == "triton"
-            assert refusals_of(traced)["cuda"].startswith("leaves calls in a compiled graph")
-            assert ditops.explain(op, **arguments, compiled=True, backend="cuda").selected == "cuda"
+    for hidden in (3072, 12288, 13824):
+        for tokens in (16, 333):  # never by token count
+            arguments = example_arguments(op, (1, tokens, hidden), torch.bfloat16, param_dtype=torch.bfloat16)
+            with _named("sm_90", name):
+                preferred = ((op == "quantize_fp8" and hidden > 12288)
+                             or (op == "residual_norm_scale_shift_fp8" and "H200" in name))
+                assert ditops.explain(op, **arguments).selected == ("cuda" if preferred else "triton"), hidden
+                traced = ditops.explain(op, **arguments, compiled=True)
+                assert traced.selected == "triton"
+                assert refusals_of(traced)["cuda"].startswith("leaves calls in a compiled graph")
+                assert ditops.explain(op, **arguments, compiled=True, backend="cuda").selected == "cuda"
 
 
 def test_a_preferred_backend_that_refuses_leaves_the_order_of_ops():

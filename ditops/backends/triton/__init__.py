@@ -43,11 +43,16 @@ def _fp8_max(y_scale, y) -> float:
     return float(torch.finfo(y.dtype).max) if y_scale is not None else 0.0
 
 
+def _table(kernel: str, y_scale) -> str:
+    """The launch table's entry for a row kernel's call: its FP8 form has its own (configs/triton_launch.yaml)."""
+    return kernel + "_fp8" if y_scale is not None else kernel
+
+
 def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale=None,
                     static_scale=None):
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
-    table = "modulated_norm" if residual is None else "residual_norm"  # the launch table's entry
+    table = _table("modulated_norm" if residual is None else "residual_norm", y_scale)
     launch = row_launch(table, shape.batch * shape.tokens, shape.hidden, settings_of(x))
     modulations = [modulation(t, shape.tokens) for t in (gate, scale, shift)]
     grid = row_grid(launch, x, shape.batch, shape.tokens, _invariant(*modulations))
@@ -155,7 +160,7 @@ def _gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, 
                     static_scale=None):
     shape = rows_of(x)
     branch_rows = rows_of(branch)
-    launch = row_launch("gated_add_norm", shape.batch * shape.tokens, shape.hidden, settings_of(x))
+    launch = row_launch(_table("gated_add_norm", y_scale), shape.batch * shape.tokens, shape.hidden, settings_of(x))
     modulations = [modulation(t, shape.tokens) for t in (gate, scale)]
     grid = row_grid(launch, x, shape.batch, shape.tokens, _invariant(*modulations))
     return KernelLaunch(gated_add_norm_kernel, grid.grid, (

@@ -62,7 +62,7 @@ class RowLaunch(NamedTuple):
 
 def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     """Settings of a row kernel ("modulated_norm", its residual form "residual_norm",
-    "selected_modulation_norm", "gated_add_norm")
+    "selected_modulation_norm", "gated_add_norm"; "<kernel>_fp8" for a kernel storing FP8 rows)
     for rows of D = hidden on a device whose settings are owners' (settings_of). num_warps and
     rows_per_program, which set how a row is reduced, depend on D and the device alone;
     early_loads and the row loop (row_grid), which only reorder loads and programs, also on
@@ -73,7 +73,7 @@ def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     for entry in _entry(kernel, owners):
         if hidden <= entry["max_hidden"]:
             loop = entry.get("row_loop")
-            if loop is None or rows > loop["max_rows"]:
+            if loop is None or rows > loop.get("max_rows", rows):
                 return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads, 0, 1)
             return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads,
                              loop["programs_per_sm"], loop["stages"])
