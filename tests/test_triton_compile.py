@@ -361,3 +361,34 @@ def test_row_grid_loops_only_over_invariant_modulation():
     assert launch.row_grid(looped, x, 1, 3, True) == launch.RowGrid((3, 1), True, 3)  # never more than the blocks
     with pytest.raises(ValueError, match="x: got 65536 batch items"):
         launch.row_grid(plain, x, 65536, 1, False)
+
+
+ROW_TABLES = ("modulated_norm", "residual_norm", "selected_modulation_norm", "gated_add_norm", "row_quantize",
+              "modulated_norm_fp8", "residual_norm_fp8", "gated_add_norm_fp8")
+REGISTRY_MAX_HIDDEN = 16384  # the triton row entries' max_hidden_size in configs/registry.yaml
+
+
+def test_every_row_table_holds_every_row_the_registry_accepts():
+    """Each row kernel's entries rise in max_hidden up to the widest row the registry lets triton
+    take, for every device class and vendor: no call it accepts finds no launch setting."""
+    settings = launch._settings()
+    for kernel in ROW_TABLES:
+        for owner, entries in settings[kernel].items():
+            limits = [entry["max_hidden"] for entry in entries]
+            assert limits == sorted(limits) and limits[-1] >= REGISTRY_MAX_HIDDEN, (kernel, owner)
+
+
+def test_fp8_calls_take_the_launch_tables_fp8_entries():
+    """A call storing FP8 rows is launched by its kernel's `_fp8` entry, a bf16 call by the kernel's own."""
+    x = torch.randn(1, 64, 1536, dtype=torch.bfloat16)
+    scale, shift = torch.randn(1, 1536, dtype=torch.bfloat16), torch.randn(1, 1536, dtype=torch.bfloat16)
+    y, y_scale = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(1, 64, 1)
+    with simulated_device("sm_90"):
+        owners = launch.settings_of(x)
+        fp8 = triton_backend.norm_scale_shift_fp8_launch(x, scale, shift, None, None, "layer", 1e-6,
+                                                         torch.float8_e4m3fn, None, y, y_scale)
+        bf16 = triton_backend.norm_scale_shift_launch(x, scale, shift, None, None, "layer", 1e-6, torch.empty_like(x))
+    expected = {name: launch.row_launch(name, 64, 1536, owners).num_warps for name in ("modulated_norm_fp8", "modulated_norm")}
+    assert expected["modulated_norm_fp8"] != expected["modulated_norm"]  # else this test tells nothing
+    assert fp8.constexprs["num_warps"] == expected["modulated_norm_fp8"]
+    assert bf16.constexprs["num_warps"] == expected["modulated_norm"]
