@@ -14,6 +14,17 @@ from ditops import dispatch  # noqa: E402
 TESTS = pathlib.Path(__file__).parent
 
 
+def script_module(relative_path: str):
+    """A script of the repository (scripts/, benchmarks/: folders that are not packages) as a module."""
+    import importlib.util
+
+    path = TESTS.parent / relative_path
+    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(autouse=True)
 def fresh_dispatcher(monkeypatch):
     """Every test starts from the built-in registry and a clean environment."""

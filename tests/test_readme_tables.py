@@ -1,17 +1,11 @@
 """The benchmark tables of README.md and benchmarks/README.md are what the committed results
 files generate (scripts/readme_tables.py)."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import script_module
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("scripts/readme_tables.py")
 
 
 def test_tables_match_the_committed_results():

@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 
 import ditops.backends.triton as triton_backend
 from ditops import conformance
+from conftest import script_module
 from ditops.backends.triton import launch
 from ditops.dispatch import current_device, fp8_dtypes, simulated_device
 from ditops.ops import OPS, ordered_arguments
@@ -363,8 +364,6 @@ def test_row_grid_loops_only_over_invariant_modulation():
         launch.row_grid(plain, x, 65536, 1, False)
 
 
-ROW_TABLES = ("modulated_norm", "residual_norm", "selected_modulation_norm", "gated_add_norm", "row_quantize",
-              "modulated_norm_fp8", "residual_norm_fp8", "gated_add_norm_fp8")
 REGISTRY_MAX_HIDDEN = 16384  # the triton row entries' max_hidden_size in configs/registry.yaml
 
 
@@ -372,7 +371,7 @@ def test_every_row_table_holds_every_row_the_registry_accepts():
     """Each row kernel's entries rise in max_hidden up to the widest row the registry lets triton
     take, for every device class and vendor: no call it accepts finds no launch setting."""
     settings = launch._settings()
-    for kernel in ROW_TABLES:
+    for kernel in launch.ROW_TABLES:
         for owner, entries in settings[kernel].items():
             limits = [entry["max_hidden"] for entry in entries]
             assert limits == sorted(limits) and limits[-1] >= REGISTRY_MAX_HIDDEN, (kernel, owner)
@@ -392,3 +391,20 @@ def test_fp8_calls_take_the_launch_tables_fp8_entries():
     assert expected["modulated_norm_fp8"] != expected["modulated_norm"]  # else this test tells nothing
     assert fp8.constexprs["num_warps"] == expected["modulated_norm_fp8"]
     assert bf16.constexprs["num_warps"] == expected["modulated_norm"]
+
+
+def test_the_launch_sweep_sets_every_row_table_to_one_setting():
+    """benchmarks/launch_sweep.py's table: each row kernel's entries carry the setting swept
+    (and its row loop, or none), their max_hidden classes kept."""
+    sweep = script_module("benchmarks/launch_sweep.py")
+    settings = launch._settings()
+    for loop, expected in (((4, 3), (4, 3)), ((0, 1), (0, 1))):
+        table = sweep.table_with(settings, 2, 1, loop)
+        with launch_table(**table):
+            for kernel in launch.ROW_TABLES:
+                for owner, entries in table[kernel].items():
+                    assert [e["max_hidden"] for e in entries] == [e["max_hidden"] for e in settings[kernel][owner]]
+                    owners = (owner,) if owner in ("cuda", "rocm") else (owner, "cuda")  # a device class, then its vendor
+                    chosen = launch.row_launch(kernel, 100, 3072, owners)
+                    assert (chosen.num_warps, chosen.rows_per_program, chosen.programs_per_sm, chosen.stages) == (
+                        2, 1, *expected), (kernel, owner)

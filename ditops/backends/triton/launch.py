@@ -50,6 +50,12 @@ def _head_and_tail(n: int) -> tuple:
     return head, triton.next_power_of_2(n - head) if n > head else 0
 
 
+# The launch table's row kernel entries (row_launch's ``kernel``); the kernels that store FP8
+# rows have an entry of their own for those calls ("<kernel>_fp8").
+ROW_TABLES = ("modulated_norm", "residual_norm", "selected_modulation_norm", "gated_add_norm", "row_quantize",
+              "modulated_norm_fp8", "residual_norm_fp8", "gated_add_norm_fp8")
+
+
 class RowLaunch(NamedTuple):
     block: int  # the head tile: the largest power of two not above D
     tail: int  # the tail tile: the next power of two of D - block (1, all masked, where D is one)

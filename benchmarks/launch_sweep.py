@@ -1,0 +1,94 @@
+"""Times launch settings of the Triton row kernels at `ditops bench`'s shapes: how the entries of
+ditops/configs/triton_launch.yaml are chosen, and how to check them on another GPU.
+
+Each setting replaces every row kernel's entries in the launch table for the run (num_warps,
+rows per program, and a row loop of programs_per_sm x stages, 0x1 for none), then the op is
+timed through its public call with the Triton backend (its real call path; CUDA-graph replay
+over input sets larger than the L2 cache, as `ditops bench`), beside the launch table as it is
+and the same-size copy. A row loop runs only where the call's modulation is the same for every
+token of a batch item (launch.row_grid); elsewhere that setting times the plain grid.
+
+Usage: python benchmarks/launch_sweep.py --ops norm_scale_shift_fp8 --shapes Wan \\
+           --warps 1 2 4 --rows 1 2 --loops 0x1 4x3 8x3 [--output FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from ditops.backends.triton import launch
+from ditops.bench import timing
+from ditops.bench.cases import CASES, minimum_bytes
+from ditops.dispatch import reset
+from ditops.ops import PUBLIC
+
+def table_with(settings: dict, num_warps: int, rows_per_program: int, loop: tuple) -> dict:
+    """The launch table with every row kernel's entries, for every device class and vendor, set
+    to one launch setting (their max_hidden classes kept)."""
+    programs_per_sm, stages = loop
+    row_loop = {"row_loop": dict(programs_per_sm=programs_per_sm, stages=stages)} if programs_per_sm else {}
+
+    def entry(old: dict) -> dict:
+        return dict(max_hidden=old["max_hidden"], num_warps=num_warps, rows_per_program=rows_per_program, **row_loop)
+
+    return dict(settings, **{kernel: {owner: [entry(old) for old in entries] for owner, entries in settings[kernel].items()}
+                             for kernel in launch.ROW_TABLES})
+
+
+def time_case(case, table) -> float:
+    """Microseconds per call of the case's op on triton under launch table ``table`` (None: as it is)."""
+    original = launch._settings
+    if table is not None:
+        launch._settings = lambda: table
+    reset()  # a new plan table: the calls bind kernels under this launch table
+    try:
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        arguments = case.build("cuda", torch.bfloat16, generator)
+        sets = timing.rotation_sets(minimum_bytes(case.op, arguments), torch.cuda.get_device_properties(0).L2_cache_size)
+        inputs = [arguments] + [case.build("cuda", torch.bfloat16, generator) for _ in range(sets - 1)]
+        return timing.cuda_graph([lambda a=a: PUBLIC[case.op](**a, backend="triton") for a in inputs]).us
+    finally:
+        launch._settings = original
+        reset()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", nargs="+", required=True)
+    parser.add_argument("--shapes", nargs="+", default=[""], help="only cases whose model or shape contains one of these")
+    parser.add_argument("--warps", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1], help="rows per program")
+    parser.add_argument("--loops", nargs="+", default=["0x1"], help="row loops, programs_per_sm x stages; 0x1: none")
+    parser.add_argument("--output", type=Path)
+    options = parser.parse_args()
+    loops = [tuple(int(part) for part in text.split("x")) for text in options.loops]
+    settings = launch._settings()
+    results = []
+    for case in CASES:
+        if case.op not in options.ops or not any(s in case.model or s in case.shape for s in options.shapes):
+            continue
+        arguments = case.build("cuda", torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
+        copy = min(timing.copy_us("cuda", minimum_bytes(case.op, arguments)).values())
+        tabled = time_case(case, None)
+        print(f"\n{case.op} {case.model} {case.shape}: same-size copy {copy:.1f} us, launch table {tabled:.1f} us")
+        for warps, rows, loop in itertools.product(options.warps, options.rows, loops):
+            try:
+                us = time_case(case, table_with(settings, warps, rows, loop))
+            except Exception as error:  # e.g. Triton's OutOfResources: a setting the GPU cannot run
+                print(f"  num_warps {warps:2d} rows {rows} loop {loop[0]}x{loop[1]}: failed: {error!r:.200}")
+                continue
+            results.append(dict(op=case.op, model=case.model, shape=case.shape, num_warps=warps, rows_per_program=rows,
+                                row_loop=f"{loop[0]}x{loop[1]}", us=us, tabled_us=tabled, same_size_copy_us=copy))
+            print(f"  num_warps {warps:2d} rows {rows} loop {loop[0]}x{loop[1]}: {us:8.1f} us "
+                  f"({100 * copy / us:.0f}% of the copy, {tabled / us:.2f}x the table's)", flush=True)
+    if options.output:
+        options.output.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=results), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
