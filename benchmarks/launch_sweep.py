@@ -40,17 +40,21 @@ def table_with(settings: dict, num_warps: int, rows_per_program: int, loop: tupl
                              for kernel in launch.ROW_TABLES})
 
 
-def time_case(case, table) -> float:
+def case_inputs(case) -> list:
+    """The case's argument sets, as many as `ditops bench` rotates over: one pass larger than twice the L2 cache."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    first = case.build("cuda", torch.bfloat16, generator)
+    sets = timing.rotation_sets(minimum_bytes(case.op, first), torch.cuda.get_device_properties(0).L2_cache_size)
+    return [first] + [case.build("cuda", torch.bfloat16, generator) for _ in range(sets - 1)]
+
+
+def time_case(case, inputs: list, table) -> float:
     """Microseconds per call of the case's op on triton under launch table ``table`` (None: as it is)."""
     original = launch._settings
     if table is not None:
         launch._settings = lambda: table
     reset()  # a new plan table: the calls bind kernels under this launch table
     try:
-        generator = torch.Generator(device="cuda").manual_seed(0)
-        arguments = case.build("cuda", torch.bfloat16, generator)
-        sets = timing.rotation_sets(minimum_bytes(case.op, arguments), torch.cuda.get_device_properties(0).L2_cache_size)
-        inputs = [arguments] + [case.build("cuda", torch.bfloat16, generator) for _ in range(sets - 1)]
         return timing.cuda_graph([lambda a=a: PUBLIC[case.op](**a, backend="triton") for a in inputs]).us
     finally:
         launch._settings = original
@@ -72,13 +76,13 @@ def main() -> None:
     for case in CASES:
         if case.op not in options.ops or not any(s in case.model or s in case.shape for s in options.shapes):
             continue
-        arguments = case.build("cuda", torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
-        copy = min(timing.copy_us("cuda", minimum_bytes(case.op, arguments)).values())
-        tabled = time_case(case, None)
+        inputs = case_inputs(case)
+        copy = min(timing.copy_us("cuda", minimum_bytes(case.op, inputs[0]), len(inputs)).values())
+        tabled = time_case(case, inputs, None)
         print(f"\n{case.op} {case.model} {case.shape}: same-size copy {copy:.1f} us, launch table {tabled:.1f} us")
         for warps, rows, loop in itertools.product(options.warps, options.rows, loops):
             try:
-                us = time_case(case, table_with(settings, warps, rows, loop))
+                us = time_case(case, inputs, table_with(settings, warps, rows, loop))
             except Exception as error:  # e.g. Triton's OutOfResources: a setting the GPU cannot run
                 print(f"  num_warps {warps:2d} rows {rows} loop {loop[0]}x{loop[1]}: failed: {error!r:.200}")
                 continue
