@@ -484,6 +484,12 @@ def test_rocm_serves_cdna_gpus(op, arch, rocm_6):
         arguments[first] = torch.randn(arguments[first].numel() + 1, dtype=torch.bfloat16)[1:].view(shape)
         misaligned = ditops.explain(op, **arguments)
     assert uniform.selected == "rocm"
+    if SPECS[op].quantized:  # traced into a compiled graph: Triton's kernel, launched by Inductor
+        with described(arch):
+            traced = ditops.explain(op, **example_arguments(op, shape, torch.bfloat16, param_dtype=torch.float32),
+                                    compiled=True)
+        assert traced.selected == "triton"
+        assert refusals_of(traced)["rocm"].startswith("leaves calls in a compiled graph")
     assert misaligned.selected == "triton"
     assert refusals_of(misaligned)["rocm"].startswith("needs 16-byte aligned data pointers and strides")
     if not op.endswith("_") and op != "quantize_fp8":  # quantize_fp8 has no parameters
