@@ -126,12 +126,12 @@ def long_calls() -> dict:
 
 
 def row_loop_everywhere(programs_per_sm: int, stages: int) -> dict:
-    """Launch-table entries giving every row kernel a row loop on every device (launch.row_grid)."""
+    """Launch-table entries giving every row kernel a row loop on every device (launch.row_grid;
+    row_quantize's launch has none and ignores it)."""
     loop = dict(programs_per_sm=programs_per_sm, stages=stages, max_rows=2**62)
     return {kernel: {owner: [dict(entry, row_loop=loop) for entry in entries]
                      for owner, entries in launch._settings()[kernel].items()}
-            for kernel in ("modulated_norm", "residual_norm", "selected_modulation_norm", "gated_add_norm",
-                           "modulated_norm_fp8", "residual_norm_fp8", "gated_add_norm_fp8")}
+            for kernel in launch.ROW_TABLES}
 
 
 @functools.lru_cache(maxsize=None)

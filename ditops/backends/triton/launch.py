@@ -50,8 +50,9 @@ def _head_and_tail(n: int) -> tuple:
     return head, triton.next_power_of_2(n - head) if n > head else 0
 
 
-# The launch table's row kernel entries (row_launch's ``kernel``); the kernels that store FP8
-# rows have an entry of their own for those calls ("<kernel>_fp8").
+# The launch table's row kernel entries (row_launch's ``kernel``). The FP8 calls of the norm
+# kernels measured apart take "<kernel>_fp8" (triton/__init__.py's _table); the select
+# kernel's FP8 calls take its own entries, and row_quantize stores FP8 rows only.
 ROW_TABLES = ("modulated_norm", "residual_norm", "selected_modulation_norm", "gated_add_norm", "row_quantize",
               "modulated_norm_fp8", "residual_norm_fp8", "gated_add_norm_fp8")
 
@@ -67,8 +68,8 @@ class RowLaunch(NamedTuple):
 
 
 def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
-    """Settings of a row kernel ("modulated_norm", its residual form "residual_norm",
-    "selected_modulation_norm", "gated_add_norm"; "<kernel>_fp8" for a kernel storing FP8 rows)
+    """Settings of a row kernel (an entry of ROW_TABLES: "modulated_norm", its residual form
+    "residual_norm", "selected_modulation_norm", "gated_add_norm", "row_quantize", "<kernel>_fp8")
     for rows of D = hidden on a device whose settings are owners' (settings_of). num_warps and
     rows_per_program, which set how a row is reduced, depend on D and the device alone;
     early_loads and the row loop (row_grid), which only reorder loads and programs, also on
