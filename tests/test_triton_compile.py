@@ -29,6 +29,7 @@ from ditops import conformance
 from conftest import script_module
 from ditops.backends.triton import launch
 from ditops.dispatch import current_device, fp8_dtypes, simulated_device
+from ditops.examples import example_arguments
 from ditops.ops import OPS, ordered_arguments
 from ditops.opspec import SPECS
 
@@ -391,6 +392,38 @@ def test_fp8_calls_take_the_launch_tables_fp8_entries():
     assert expected["modulated_norm_fp8"] != expected["modulated_norm"]  # else this test tells nothing
     assert fp8.constexprs["num_warps"] == expected["modulated_norm_fp8"]
     assert bf16.constexprs["num_warps"] == expected["modulated_norm"]
+
+
+FP8_TABLES = {"norm_scale_shift_fp8": "modulated_norm_fp8", "residual_norm_scale_shift_fp8": "residual_norm_fp8",
+              "norm_scale_shift_select_fp8": "selected_modulation_norm_fp8",
+              "residual_norm_scale_shift_select_fp8": "selected_modulation_norm",  # measured best at its bf16 entries
+              "add_gate_norm_scale_fp8": "gated_add_norm_fp8", "quantize_fp8": "row_quantize"}
+
+
+def test_each_fp8_op_takes_its_launch_table(monkeypatch):
+    """Which launch table each FP8 op's Triton call reads (configs/triton_launch.yaml says why)."""
+    assert set(FP8_TABLES) == {name for name, spec in SPECS.items() if spec.quantized}
+    taken = []
+
+    def recording(kernel, *args):
+        taken.append(kernel)
+        return launch.row_launch(kernel, *args)
+
+    monkeypatch.setattr(triton_backend, "row_launch", recording)
+    with simulated_device("sm_90"):
+        for op, table in FP8_TABLES.items():
+            arguments, _ = ordered_arguments(op, **example_arguments(op, (1, 64, 3072)))
+            getattr(triton_backend, f"{op}_launch")(*arguments, *OPS[op].outputs(*arguments))
+            assert taken[-1] == table, op
+
+
+def test_a_row_loop_runs_only_for_calls_within_its_row_range():
+    entry = {"max_hidden": 16384, "num_warps": 2, "rows_per_program": 1,
+             "row_loop": {"programs_per_sm": 4, "stages": 3, "min_rows": 513, "max_rows": 16384}}
+    with launch_table(modulated_norm={"cuda": [entry]}):
+        loops = {rows: launch.row_launch("modulated_norm", rows, 3072, ("cuda",)).programs_per_sm
+                 for rows in (512, 513, 16384, 16385)}
+    assert loops == {512: 0, 513: 4, 16384: 4, 16385: 0}
 
 
 def test_the_launch_sweep_sets_every_row_table_to_one_setting():

@@ -109,7 +109,8 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
     gate_rows = rows_of(residual_gate) if residual_gate is not None else shape
-    launch = row_launch("selected_modulation_norm", shape.batch * shape.tokens, shape.hidden, settings_of(x))
+    table = _table("selected_modulation_norm", y_scale if residual is None else None)  # launch.ROW_TABLES says why
+    launch = row_launch(table, shape.batch * shape.tokens, shape.hidden, settings_of(x))
     per_batch = [argument for t in modulations for argument in (t, t.stride(0) if t.shape[0] > 1 else 0)]
     grid = row_grid(launch, x, shape.batch, shape.tokens, False)  # chosen per token: nothing to hoist
     return KernelLaunch(selected_modulation_norm_kernel, grid.grid, (

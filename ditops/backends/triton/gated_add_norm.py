@@ -80,8 +80,8 @@ def gated_add_norm_kernel(
             weight, bias, weight2, bias2, batch, first, head, head_in, tail, tail_in,
             TANH_GATE, HAS_SCALE, HAS_WEIGHT, HAS_BIAS, HAS_WEIGHT2, HAS_BIAS2)
     for block in tl.range(tl.program_id(0), tl.cdiv(tokens, ROWS_PER_PROGRAM), tl.num_programs(0), num_stages=STAGES):
-        head, head_mask, tail, tail_mask, row, token = row_tile(block, batch, tokens, hidden, BLOCK, TAIL,
-                                                                ROWS_PER_PROGRAM)
+        head, head_mask, tail, tail_mask, row, token, written = row_tile(block, batch, tokens, hidden, BLOCK, TAIL,
+                                                                         ROWS_PER_PROGRAM)
         b = load_rows(branch, batch, token, branch_batch_stride, branch_token_stride, head, head_mask)
         b_tail = load_rows(branch, batch, token, branch_batch_stride, branch_token_stride, tail, tail_mask)
         if EARLY_LOADS or HOIST:
@@ -118,6 +118,6 @@ def gated_add_norm_kernel(
                                             HAS_WEIGHT2, HAS_BIAS2)
             if QUANT:  # the row's amax needs both tiles before either is stored
                 store_quantized(y, y_scale, static_scale, row, hidden, o * m2 + a2, o_tail * m2_tail + a2_tail, head,
-                                head_mask, tail, tail_mask, FP8_MAX, HAS_STATIC_SCALE)
+                                head_mask, tail, tail_mask, written, FP8_MAX, HAS_STATIC_SCALE)
             else:
                 store_rows(y, row, hidden, o_tail * m2_tail + a2_tail, tail, tail_mask)

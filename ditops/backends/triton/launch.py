@@ -50,11 +50,11 @@ def _head_and_tail(n: int) -> tuple:
     return head, triton.next_power_of_2(n - head) if n > head else 0
 
 
-# The launch table's row kernel entries (row_launch's ``kernel``). The FP8 calls of the norm
-# kernels measured apart take "<kernel>_fp8" (triton/__init__.py's _table); the select
-# kernel's FP8 calls take its own entries, and row_quantize stores FP8 rows only.
+# The launch table's row kernel entries (row_launch's ``kernel``). FP8 calls take "<kernel>_fp8"
+# (triton/__init__.py's _table), but the select kernel's residual form, whose FP8 calls measured
+# best at its bf16 entries; row_quantize stores FP8 rows only.
 ROW_TABLES = ("modulated_norm", "residual_norm", "selected_modulation_norm", "gated_add_norm", "row_quantize",
-              "modulated_norm_fp8", "residual_norm_fp8", "gated_add_norm_fp8")
+              "modulated_norm_fp8", "residual_norm_fp8", "selected_modulation_norm_fp8", "gated_add_norm_fp8")
 
 
 class RowLaunch(NamedTuple):
@@ -80,7 +80,7 @@ def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     for entry in _entry(kernel, owners):
         if hidden <= entry["max_hidden"]:
             loop = entry.get("row_loop")
-            if loop is None or rows > loop.get("max_rows", rows):
+            if loop is None or not loop.get("min_rows", 0) <= rows <= loop.get("max_rows", rows):
                 return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads, 0, 1)
             return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads,
                              loop["programs_per_sm"], loop["stages"])

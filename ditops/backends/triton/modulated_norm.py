@@ -65,8 +65,8 @@ def modulated_norm_kernel(
                                 SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
                                 SHIFT_DIM_STRIDE, batch, first, tail, tail_in, HAS_WEIGHT, HAS_BIAS)
     for block in tl.range(tl.program_id(0), tl.cdiv(tokens, ROWS_PER_PROGRAM), tl.num_programs(0), num_stages=STAGES):
-        head, head_mask, tail, tail_mask, row, token = row_tile(block, batch, tokens, hidden, BLOCK, TAIL,
-                                                                ROWS_PER_PROGRAM)
+        head, head_mask, tail, tail_mask, row, token, written = row_tile(block, batch, tokens, hidden, BLOCK, TAIL,
+                                                                         ROWS_PER_PROGRAM)
         v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
         v_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
         if HAS_RESIDUAL:
@@ -109,6 +109,6 @@ def modulated_norm_kernel(
                                     SHIFT_DIM_STRIDE, batch, token, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
         if QUANT:  # the row's amax needs both tiles before either is stored
             store_quantized(y, y_scale, static_scale, row, hidden, out, v_tail * m_tail + a_tail, head, head_mask, tail,
-                            tail_mask, FP8_MAX, HAS_STATIC_SCALE)
+                            tail_mask, written, FP8_MAX, HAS_STATIC_SCALE)
         else:
             store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)

@@ -43,14 +43,15 @@ def columns(hidden, BLOCK: tl.constexpr, TAIL: tl.constexpr):
 @triton.jit
 def row_tile(block, batch, tokens, hidden, BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
     """Rows of block ``block`` of batch item ``batch`` (ROWS_PER_PROGRAM tokens): (head columns,
-    head mask, tail columns, tail mask, output row, token); rows and tokens are [ROWS, 1],
-    masks [ROWS, columns]."""
+    head mask, tail columns, tail mask, output row, token, written); rows, tokens and written
+    (the row is one of the call's) are [ROWS, 1], masks [ROWS, columns]."""
     token = (block * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)[:, None]).to(tl.int64)  # tokens < 2**31
-    limit = tl.where(token < tokens, hidden, 0)  # tokens past the last one touch nothing
+    written = token < tokens
+    limit = tl.where(written, hidden, 0)  # tokens past the last one touch nothing
     head = tl.arange(0, BLOCK)[None, :]
     tail = BLOCK + tl.arange(0, TAIL)[None, :]
     addressed = tl.minimum(token, tokens - 1)  # and address the last one, so one unmasked load per row stays in bounds
-    return head, head < limit, tail, tail < limit, batch * tokens + token, addressed
+    return head, head < limit, tail, tail < limit, batch * tokens + token, addressed, written
 
 
 @triton.jit
@@ -125,9 +126,9 @@ def _saturate(values, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def store_quantized(y, y_scale, static_scale, row, hidden, values, values_tail, head, head_mask, tail, tail_mask,
-                    FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr):
+                    written, FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr):
     """Rows held as head and tail (zeros where masked), stored as FP8 values with one float32
-    scale per row (backends/reference's _quantize_rows is the definition): dynamic, the row's
+    scale per row written (row_tile's: the rows of the call) (backends/reference's _quantize_rows is the definition): dynamic, the row's
     amax over FP8_MAX, floored at 1e-12 / FP8_MAX, and NaN for a row holding NaN or Inf; or
     the one static scale, values beyond +-FP8_MAX saturating (NaN stays NaN). Comparisons
     against FLT_MAX find NaN and Inf (Triton's max drops NaN)."""
@@ -145,5 +146,4 @@ def store_quantized(y, y_scale, static_scale, row, hidden, values, values_tail, 
              eviction_policy="evict_first")
     tl.store(y + row * hidden + tail, _saturate(values_tail * inverse, FP8_MAX).to(y.dtype.element_ty), mask=tail_mask,
              eviction_policy="evict_first")
-    written = tl.max(head_mask.to(tl.int32), axis=1)[:, None] > 0  # rows past the last token write nothing
     tl.store(y_scale + row, scale, mask=written)

@@ -46,11 +46,11 @@ def row_quantize_kernel(
     BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
 ):
     batch = tl.program_id(1).to(tl.int64)
-    head, head_mask, tail, tail_mask, row, token = row_tile(tl.program_id(0), batch, tokens, hidden, BLOCK, TAIL,
-                                                            ROWS_PER_PROGRAM)
+    head, head_mask, tail, tail_mask, row, token, written = row_tile(tl.program_id(0), batch, tokens, hidden, BLOCK,
+                                                                     TAIL, ROWS_PER_PROGRAM)
     v = _tile(x, x_batch_stride, x_token_stride, prefix, prefix_batch_stride, prefix_token_stride, prefix_width, batch,
               token, head, head_mask, GELU, PREFIX)
     v_tail = _tile(x, x_batch_stride, x_token_stride, prefix, prefix_batch_stride, prefix_token_stride, prefix_width,
                    batch, token, tail, tail_mask, GELU, PREFIX)
-    store_quantized(y, y_scale, static_scale, row, hidden, v, v_tail, head, head_mask, tail, tail_mask, FP8_MAX,
+    store_quantized(y, y_scale, static_scale, row, hidden, v, v_tail, head, head_mask, tail, tail_mask, written, FP8_MAX,
                     HAS_STATIC_SCALE)

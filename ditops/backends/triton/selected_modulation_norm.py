@@ -64,8 +64,8 @@ def selected_modulation_norm_kernel(
     # One block per program: the modulation is chosen per token, so a program looping over
     # blocks (modulated_norm.py) would have nothing to keep from one block to the next.
     batch = tl.program_id(1).to(tl.int64)
-    head, head_mask, tail, tail_mask, row, token = row_tile(tl.program_id(0), batch, tokens, hidden, BLOCK, TAIL,
-                                                            ROWS_PER_PROGRAM)
+    head, head_mask, tail, tail_mask, row, token, written = row_tile(tl.program_id(0), batch, tokens, hidden, BLOCK,
+                                                                     TAIL, ROWS_PER_PROGRAM)
     v = load_rows(x, batch, token, x_batch_stride, x_token_stride, head, head_mask)
     v_tail = load_rows(x, batch, token, x_batch_stride, x_token_stride, tail, tail_mask)
     # a step past the last token reads the last one's index (row_tile) and stores nothing
@@ -111,7 +111,7 @@ def selected_modulation_norm_kernel(
             selected, batch, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
     if QUANT:  # the row's amax needs both tiles before either is stored
         store_quantized(y, y_scale, static_scale, row, hidden, out, v_tail * m_tail + a_tail, head, head_mask, tail,
-                        tail_mask, FP8_MAX, HAS_STATIC_SCALE)
+                        tail_mask, written, FP8_MAX, HAS_STATIC_SCALE)
     else:
         store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)
     store_rows(gate_out, row, hidden, chosen_gate_tail, tail, tail_mask)
