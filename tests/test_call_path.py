@@ -185,16 +185,53 @@ def test_value_checks_run_on_every_call():
     assert torch.equal(arguments["q"], q_before)  # nothing written by the refused call
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op, shape", [("norm_scale_shift", (2, 5, 64)), ("rope_", (6, 2, 32))])
-def test_a_plan_keeps_no_tensor_of_its_call_alive(op, shape):
-    """The signature's guards hold metadata, the launchers constants: never a call's tensors."""
-    arguments = example_arguments(op, shape, torch.float32)
+def test_a_plan_keeps_no_tensor_of_its_call_alive(op, shape, device):
+    """The signature's guards hold metadata, the launchers constants: never a call's tensors
+    (a plan first built inside a CUDA graph's warm-up, as torch.compile's reduce-overhead runs a
+    library op, would leave them in the graph's memory pool, which the pool refuses)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    arguments = example_arguments(op, shape, dtype, device)
     references = [weakref.ref(t) for t in arguments.values() if isinstance(t, torch.Tensor)]
     result = getattr(ditops, op)(**arguments)
     assert len(_plans()) == 1
     del arguments, result
     gc.collect()
     assert all(reference() is None for reference in references)
+
+
+def test_a_bound_triton_launcher_holds_no_tensor_of_the_launch_it_was_made_from(monkeypatch):
+    """kernel_launch.bind on a stand-in compiled kernel (CPU): the launcher keeps the grid and
+    the constants of the call that made it, not the KernelLaunch, whose arguments are tensors."""
+    from ditops.backends.triton import kernel_launch
+
+    class Compiled:
+        run = function = packed_metadata = None
+
+        def _init_handles(self):
+            pass
+
+    class StandIn:
+        arg_names = ("x", "n")
+
+        def warmup(self, *arguments, grid, **constexprs):
+            return Compiled()
+
+    monkeypatch.setattr(kernel_launch, "bound_launch_refusal", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    x = torch.randn(4)
+    launch = kernel_launch.KernelLaunch(StandIn(), (1,), (x, 4), {"num_warps": 1})
+    launcher = kernel_launch.bind(launch, (x,), 0)
+    assert launcher is not None
+    held = weakref.ref(x)
+    del x, launch
+    gc.collect()
+    assert held() is None
 
 
 def test_the_plan_table_is_bounded(monkeypatch):

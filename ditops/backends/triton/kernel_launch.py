@@ -97,7 +97,8 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
     with torch.cuda.device(device_index):
         compiled = launch.kernel.warmup(*launch.arguments, grid=launch.grid, **launch.constexprs)
         compiled._init_handles()  # loads the module on this device now, not inside a later capture
-    grid_x, grid_y, grid_z = (tuple(launch.grid) + (1, 1))[:3]
+    grid = launch.grid  # the launcher holds the grid, never ``launch``: its arguments are this call's tensors
+    grid_x, grid_y, grid_z = (tuple(grid) + (1, 1))[:3]
     c_launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     current_stream = torch._C._cuda_getCurrentRawStream
     hooks = knobs.runtime
@@ -108,7 +109,7 @@ def bind(launch: KernelLaunch, values: tuple, device_index: int) -> Optional[Cal
         enter_hook, exit_hook = hooks.launch_enter_hook, hooks.launch_exit_hook
         if _hooked(enter_hook, exit_hook):  # a profiler (e.g. proton) sees the launch as Triton's own
             c_launcher(grid_x, grid_y, grid_z, stream, function, metadata,
-                       compiled.launch_metadata(launch.grid, stream, *arguments), enter_hook, exit_hook, *arguments)
+                       compiled.launch_metadata(grid, stream, *arguments), enter_hook, exit_hook, *arguments)
         else:
             c_launcher(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *arguments)
 
