@@ -28,8 +28,8 @@ BENCH = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-26.json", "H200": RESU
 MODELS = {"H100": RESULTS / "models_H100_2026-11-27.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
 MULTIGPU = RESULTS / "multigpu_H100x2_2026-11-25.json"
 # the FP8 ops' and qk_norm_rope_'s `ditops bench --ops` runs
-BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-27.json", "H200": RESULTS / "NVIDIA-H200_2026-11-27.json"}
-FP8 = {"H100": RESULTS / "fp8_H100_2026-11-27.json", "H200": RESULTS / "fp8_H200_2026-11-27.json"}
+BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-28.json", "H200": RESULTS / "NVIDIA-H200_2026-11-27.json"}
+FP8 = {"H100": RESULTS / "fp8_H100_2026-11-28.json", "H200": RESULTS / "fp8_H200_2026-11-27.json"}
 
 # The README's headline rows: per op, one real model shape (the `model` of a bench case).
 HEADLINE = (
