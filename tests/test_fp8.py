@@ -235,11 +235,35 @@ diffusers = pytest.importorskip("diffusers")
 from ditops.integrations import diffusers as integration  # noqa: E402
 from test_diffusers_integration import (recorded_calls, run, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image,  # noqa: E402
                                          z_image_noise_mask_call)
+import test_diffusers_coverage as coverage  # noqa: E402
 
 FP8_OPS = ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "norm_scale_shift_select_fp8",
            "residual_norm_scale_shift_select_fp8", "add_gate_norm_scale_fp8", "quantize_fp8")
 BF16_REASONS = ("wanted both multiples of 16", "an embedder", "context-parallel plan")
-TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3)}
+
+
+def _in_dtype(build):
+    """A coverage test's tiny float32 model and inputs (coverage.FLUX_LIKE) in ``dtype``; the
+    position ids stay float32, as tiny_flux's."""
+    def converted(value, dtype):
+        if isinstance(value, list):
+            return [converted(item, dtype) for item in value]
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    def tiny(dtype):
+        model, inputs = build()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
+            model = model.to(dtype)
+        return model, {name: value if name.endswith("_ids") else converted(value, dtype)
+                       for name, value in inputs.items()}, None
+
+    return tiny
+
+
+FLUX_LIKE = {name: _in_dtype(entry[0]) for name, entry in coverage.FLUX_LIKE.items()}
+TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3),
+        **FLUX_LIKE}
 
 
 def _state(model) -> dict:
@@ -298,6 +322,29 @@ def test_flux_norms_feed_their_projections_fp8_rows(monkeypatch):
     assert "transformer_blocks.0.norm1.linear" not in fed  # its input is silu(temb), no op's output
 
 
+# FP8 rows from the norms, per double block (2 norms, 2 residual norms) and single block (its
+# norm): where the block computes FLUX's math with GELU MLPs and ditops' attention processor.
+# Ovis-Image's MLPs are SwiGLU (all its norms give bf16); FIBO's single blocks run diffusers'
+# generic attention (their norms give bf16).
+FUSED_NORMS = {"chroma": (2, 2), "longcat-image": (2, 2), "bria": (2, 2), "ovis-image": (0, 0), "bria-fibo": (2, 0)}
+
+
+@pytest.mark.parametrize("name", FUSED_NORMS)
+def test_chroma_and_the_flux_copies_norms_feed_their_projections_fp8_rows(name, monkeypatch):
+    double, single = FUSED_NORMS[name]
+    model, inputs, _ = FLUX_LIKE[name](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    assert calls.count("norm_scale_shift_fp8") == 2 * double + single, str(report)
+    assert calls.count("residual_norm_scale_shift_fp8") == 2 * double
+    fed = {path for path, kind in report.linears if kind.startswith("fp8") and "own input" not in kind}
+    assert ("transformer_blocks.0.attn.to_q" in fed) == bool(double)
+    assert ("single_transformer_blocks.1.proj_out" in fed) == bool(single)
+    if not single:
+        assert any(entry.startswith("single_transformer_blocks.0") and "bf16" in entry for entry in report.skipped)
+
+
 def test_flux_projections_fed_the_same_rows_are_one_gemm_and_remove_unjoins_them():
     model, inputs, _ = tiny_flux(torch.bfloat16)
     expected = run(model, inputs)
@@ -345,8 +392,9 @@ def test_a_flux_model_with_its_own_fused_projections_keeps_them_and_runs_fp8():
     assert torch.equal(run(model, inputs), expected)
 
 
-def test_compiled_fp8_flux_has_no_graph_break_and_matches_eager():
-    model, inputs, _ = tiny_flux(torch.bfloat16)
+@pytest.mark.parametrize("name", ["flux", "chroma"])
+def test_compiled_fp8_flux_has_no_graph_break_and_matches_eager(name):
+    model, inputs, _ = TINY[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
     eager = run(model, inputs)
     with torch.no_grad():

@@ -32,7 +32,7 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
              "LTXVideoTransformer3DModel": ltx2.patch}
 
 
-_FUSED_FP8 = {flux.patch, qwen_image.patch, wan.patch, z_image.patch}  # families whose norms give FP8 rows to their projections (the others' Linears quantise their input)
+_FUSED_FP8 = {flux.patch, qwen_image.patch, wan.patch, z_image.patch, chroma.patch, flux_clones.patch}  # families whose norms give FP8 rows to their projections (the others' Linears quantise their input)
 QUANTIZE = (None, "fp8")
 
 

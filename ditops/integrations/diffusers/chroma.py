@@ -12,6 +12,11 @@ modulation up front, and each block receives its rows ([B, 6, D] per stream in d
 - In every attention processor, the q/k RMSNorms and the RoPE -> ``qk_norm_rope_`` through
   FLUX's processor (``flux.FluxQKNormRopeProcessor``); the attention mask goes to attention
   unchanged.
+
+With ``quantize="fp8"`` (quantize.py) a block whose processor became ditops' runs as FLUX's
+does (flux.py): its norms give FP8 rows to the Linears they feed, the double blocks' GELU MLPs
+quantise their hidden state in one pass, and a single block quantises its attention output and
+GELU(MLP) together for proj_out.
 """
 
 from __future__ import annotations
@@ -19,56 +24,94 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from . import flux, patching
+from ...fp8 import Float8Rows
+from . import flux, patching, quantize
 
 
-def _pruned_norm_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
-    """diffusers' ChromaAdaLayerNormZeroPruned: the six modulation rows of ``emb`` [B, 6, D],
-    the first two applied to LayerNorm(x)."""
-    if patching.hooked(self, ("norm",)):
-        return type(self).forward(self, x, timestep, class_labels, hidden_dtype, emb)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.flatten(1, 2).chunk(6, dim=1)
-    return ops.norm_scale_shift(x, scale_msa, shift_msa, eps=self.norm.eps), gate_msa, shift_mlp, scale_mlp, gate_mlp
+def _pruned_norm_forward_of(norm):
+    def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+        """diffusers' ChromaAdaLayerNormZeroPruned: the six modulation rows of ``emb`` [B, 6, D],
+        the first two applied to LayerNorm(x)."""
+        if patching.hooked(self, ("norm",)):
+            return type(self).forward(self, x, timestep, class_labels, hidden_dtype, emb)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.flatten(1, 2).chunk(6, dim=1)
+        return norm(x, scale_msa, shift_msa, self.norm.eps), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+    return forward
 
 
-def _pruned_single_norm_forward(self, x, emb=None):
-    if patching.hooked(self, ("norm",)):
-        return type(self).forward(self, x, emb)
-    shift_msa, scale_msa, gate_msa = emb.flatten(1, 2).chunk(3, dim=1)
-    return ops.norm_scale_shift(x, scale_msa, shift_msa, eps=self.norm.eps), gate_msa
+def _pruned_single_norm_forward_of(norm):
+    def forward(self, x, emb=None):
+        if patching.hooked(self, ("norm",)):
+            return type(self).forward(self, x, emb)
+        shift_msa, scale_msa, gate_msa = emb.flatten(1, 2).chunk(3, dim=1)
+        return norm(x, scale_msa, shift_msa, self.norm.eps), gate_msa
+
+    return forward
 
 
-def _double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
-                          attention_mask=None, joint_attention_kwargs=None):
-    """diffusers' ChromaTransformerBlock with each "residual + gate * attention, then norm2 and
-    its modulation" as one residual_norm_scale_shift. temb holds the image stream's six rows,
-    then the text stream's."""
-    if patching.hooked(self, ("norm2", "norm2_context")):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
-                                  attention_mask, joint_attention_kwargs)
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb[:, :6])
-    norm_context, context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp = self.norm1_context(
-        encoder_hidden_states, emb=temb[:, 6:])
-    if attention_mask is not None:  # [B, S] keep-mask -> [B, 1, S, S]: a pair attends where both tokens are kept
+def _double_block_forward_of(residual_norm):
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, attention_mask=None,
+                joint_attention_kwargs=None):
+        """diffusers' ChromaTransformerBlock with each "residual + gate * attention, then norm2 and
+        its modulation" as one residual_norm_scale_shift. temb holds the image stream's six rows,
+        then the text stream's."""
+        if patching.hooked(self, ("norm2", "norm2_context")):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                      attention_mask, joint_attention_kwargs)
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb[:, :6])
+        norm_context, context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb[:, 6:])
+        if attention_mask is not None:  # [B, S] keep-mask -> [B, 1, S, S]: a pair attends where both tokens are kept
+            attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+        outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
+                            image_rotary_emb=image_rotary_emb, attention_mask=attention_mask,
+                            **(joint_attention_kwargs or {}))
+        attention, context_attention = outputs[0], outputs[1]
+
+        norm_hidden_states, hidden_states = residual_norm(
+            attention, hidden_states, gate_msa, scale_mlp, shift_mlp, self.norm2.eps)
+        hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
+        if len(outputs) == 3:  # IP-Adapter output
+            hidden_states = hidden_states + outputs[2]
+
+        norm_context, encoder_hidden_states = residual_norm(
+            context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
+            self.norm2_context.eps)
+        encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
+
+    return forward
+
+
+def _single_block_forward_fp8(self, hidden_states, temb, image_rotary_emb=None, attention_mask=None,
+                              joint_attention_kwargs=None):
+    """diffusers' ChromaSingleTransformerBlock with FP8 GEMMs, as flux._single_block_forward_fp8:
+    one quantize_fp8 of [attention output, GELU(MLP)] for proj_out."""
+    if self.training or patching.hooked(self, ("act_mlp",)):
+        return type(self).forward(self, hidden_states, temb, image_rotary_emb, attention_mask, joint_attention_kwargs)
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = self.proj_mlp(norm_hidden_states)
+    if attention_mask is not None:
         attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
-    outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
-                        image_rotary_emb=image_rotary_emb, attention_mask=attention_mask,
-                        **(joint_attention_kwargs or {}))
-    attention, context_attention = outputs[0], outputs[1]
+    attention = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                          attention_mask=attention_mask, **(joint_attention_kwargs or {}))
+    rows = Float8Rows(*ops.quantize_fp8(mlp_hidden_states, activation="gelu_tanh", prefix=attention))
+    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(rows)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states
 
-    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
-        attention, hidden_states, gate_msa, scale_mlp, shift_mlp, eps=self.norm2.eps)
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
-    if len(outputs) == 3:  # IP-Adapter output
-        hidden_states = hidden_states + outputs[2]
 
-    norm_context, encoder_hidden_states = ops.residual_norm_scale_shift(
-        context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
-        eps=self.norm2_context.eps)
-    encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+# The ditops forwards: {FP8 rows from the norms?: forward}
+_PRUNED_NORM_FORWARDS = {False: _pruned_norm_forward_of(flux._norm), True: _pruned_norm_forward_of(flux._norm_fp8)}
+_PRUNED_SINGLE_NORM_FORWARDS = {False: _pruned_single_norm_forward_of(flux._norm),
+                                True: _pruned_single_norm_forward_of(flux._norm_fp8)}
+_DOUBLE_BLOCK_FORWARDS = {False: _double_block_forward_of(flux._residual_norm),
+                          True: _double_block_forward_of(flux._residual_norm_fp8)}
 
 
 def _layer_norm(norm) -> bool:
@@ -87,28 +130,36 @@ def _double_block_supported(block) -> bool:
             and _layer_norm(block.norm2_context))
 
 
-def patch(model, patches: list, report) -> None:
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches Chroma's blocks; with ``fp8_dtype`` in FP8 as flux.patch does FLUX's."""
     from diffusers.models.transformers.transformer_chroma import ChromaAdaLayerNormZeroSinglePruned
 
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
+        patching.replace_processor(patches, report, block.attn, f"{path}.attn", flux._attention_supported(block.attn),
+                                   flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
         if _double_block_supported(block):
+            fp8 = fp8_dtype is not None and flux._quantize_double_block(block, path, patches, report, fp8_dtype)
+            suffix = "_fp8" if fp8 else ""
             for name in ("norm1", "norm1_context"):
                 if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
-                                            _pruned_norm_forward):
-                    report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
-            if patching.replace_forward(patches, report, block, path, _double_block_forward):
-                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift"))
+                                            _PRUNED_NORM_FORWARDS[fp8]):
+                    report.replaced.append((f"{path}.{name}", "norm_scale_shift" + suffix))
+            if patching.replace_forward(patches, report, block, path, _DOUBLE_BLOCK_FORWARDS[fp8]):
+                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
         else:
             report.skipped.append(f"{path}: another block type, or norms with affine parameters, an embedding "
                                   "or of another type")
-        patching.replace_processor(patches, report, block.attn, f"{path}.attn", flux._attention_supported(block.attn),
-                                   flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
     for index, block in enumerate(model.single_transformer_blocks):
         path = f"single_transformer_blocks.{index}"
-        if not (type(block.norm) is ChromaAdaLayerNormZeroSinglePruned and _layer_norm(block.norm.norm)):
-            report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
-        elif patching.replace_forward(patches, report, block.norm, f"{path}.norm", _pruned_single_norm_forward):
-            report.replaced.append((f"{path}.norm", "norm_scale_shift"))
         patching.replace_processor(patches, report, block.attn, f"{path}.attn", flux._attention_supported(block.attn),
                                    flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
+        if not (type(block.norm) is ChromaAdaLayerNormZeroSinglePruned and _layer_norm(block.norm.norm)):
+            report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
+            continue
+        fp8 = fp8_dtype is not None and flux._quantize_single_block(block, path, patches, report, fp8_dtype,
+                                                                    _single_block_forward_fp8)
+        if patching.replace_forward(patches, report, block.norm, f"{path}.norm", _PRUNED_SINGLE_NORM_FORWARDS[fp8]):
+            report.replaced.append((f"{path}.norm", "norm_scale_shift" + ("_fp8" if fp8 else "")))
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)

@@ -245,9 +245,10 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
     return True
 
 
-def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
+def _quantize_single_block(block, path, patches, report, fp8_dtype, forward=None) -> bool:
     """The Linears the block's norm feeds -> FP8 (q/k/v, proj_mlp), and proj_out, fed FP8 rows
-    by the block's forward; True where the norm may give them FP8 rows."""
+    by the block's ``forward`` (FLUX's single block's: _single_block_forward_fp8); True where
+    the norm may give them FP8 rows."""
     if type(block.attn.processor) is not FluxQKNormRopeProcessor:
         report.skipped.append(f"{path}: its norm gives bf16 (the attention processor is not ditops')")
         return False
@@ -258,6 +259,6 @@ def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
     if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
         return False
     quantize.join_projections(patches, report, block.attn, f"{path}.attn", {"to_qkv": _QKV})
-    if patching.replace_forward(patches, report, block, path, _single_block_forward_fp8):
+    if patching.replace_forward(patches, report, block, path, forward or _single_block_forward_fp8):
         report.replaced.append((f"{path}.act_mlp, {path}.proj_out", "quantize_fp8 (attention; GELU)"))
     return True

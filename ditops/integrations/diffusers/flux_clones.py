@@ -15,20 +15,31 @@ forwards and processor serve them (flux.py says what they replace):
 
 FIBO's single blocks run diffusers' generic ``Attention`` (diffusers' own RMSNorm, no
 ``head_dim``) with Bria's processor: ditops leaves that attention alone and reports it.
+
+With ``quantize="fp8"`` a block whose processor became ditops' runs FLUX's FP8 forms
+(flux.py): the norms give FP8 rows to the Linears they feed, the double blocks' GELU MLPs
+quantise their hidden state in one pass, and LongCat-Image's and Bria's single blocks, which
+compute FLUX's single block, quantise the attention output and GELU(MLP) together. Ovis-Image's
+SwiGLU MLPs and FIBO's single blocks keep bf16 norms; their Linears quantise their own input.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import flux, patching
+from . import flux, patching, quantize
 
 
-def _bria_double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
-                               attention_kwargs=None):
-    """BriaTransformerBlock names FLUX's ``joint_attention_kwargs`` ``attention_kwargs``."""
-    return flux._double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
-                                      attention_kwargs)
+def _bria(forward):
+    """FLUX's block forward for Bria's blocks, which name ``joint_attention_kwargs`` ``attention_kwargs``."""
+    def bria_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, attention_kwargs=None):
+        return forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, attention_kwargs)
+
+    return bria_forward
+
+
+_BRIA_DOUBLE_BLOCK_FORWARDS = {fp8: _bria(flux._forward(flux._double_block_forward, fp8)) for fp8 in (False, True)}
+_bria_single_block_forward_fp8 = _bria(flux._single_block_forward_fp8)
 
 
 def _processors() -> tuple:
@@ -59,6 +70,15 @@ def _double_blocks() -> tuple:
     return BriaTransformerBlock, BriaFiboTransformerBlock, LongCatImageTransformerBlock, OvisImageTransformerBlock
 
 
+def _single_blocks() -> tuple:
+    """The clones' single blocks whose forward is FluxSingleTransformerBlock's in diffusers 0.42
+    (Bria's naming attention_kwargs), which flux._single_block_forward_fp8 replaces."""
+    from diffusers.models.transformers.transformer_bria import BriaSingleTransformerBlock
+    from diffusers.models.transformers.transformer_longcat_image import LongCatImageSingleTransformerBlock
+
+    return BriaSingleTransformerBlock, LongCatImageSingleTransformerBlock
+
+
 def _ada_layer_norm_zero(norm, single: bool) -> bool:
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
@@ -66,32 +86,45 @@ def _ada_layer_norm_zero(norm, single: bool) -> bool:
     return type(norm) is wanted and patching.plain_layer_norm(norm.norm)
 
 
-def patch(model, patches: list, report) -> None:
-    from diffusers.models.transformers.transformer_bria import BriaTransformerBlock
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches the clones' blocks as flux.patch does FLUX's, with ``fp8_dtype`` in FP8 where
+    flux.py's FP8 forms compute what the block computes."""
+    from diffusers.models.transformers.transformer_bria import BriaSingleTransformerBlock, BriaTransformerBlock
 
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
+        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
+                                   flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
         norm1s = (block.norm1, block.norm1_context)
         norm2s = (block.norm2, block.norm2_context)
         if (type(block) in _double_blocks() and all(_ada_layer_norm_zero(norm, False) for norm in norm1s)
                 and all(map(patching.plain_layer_norm, norm2s))):
+            fp8 = fp8_dtype is not None and flux._quantize_double_block(block, path, patches, report, fp8_dtype)
+            suffix = "_fp8" if fp8 else ""
             for name in ("norm1", "norm1_context"):
                 if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
-                                            flux._ada_layer_norm_zero_forward):
-                    report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
-            forward = _bria_double_block_forward if type(block) is BriaTransformerBlock else flux._double_block_forward
+                                            flux._forward(flux._ada_layer_norm_zero_forward, fp8)):
+                    report.replaced.append((f"{path}.{name}", "norm_scale_shift" + suffix))
+            forward = (_BRIA_DOUBLE_BLOCK_FORWARDS[fp8] if type(block) is BriaTransformerBlock
+                       else flux._forward(flux._double_block_forward, fp8))
             if patching.replace_forward(patches, report, block, path, forward):
-                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift"))
+                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
         else:
             report.skipped.append(f"{path}: another block type, or norms with affine parameters or of another type")
-        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
-                                   flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
     for index, block in enumerate(model.single_transformer_blocks):
         path = f"single_transformer_blocks.{index}"
+        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
+                                   flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
+        fp8 = False
+        if fp8_dtype is not None and type(block) not in _single_blocks():
+            report.skipped.append(f"{path}: its norm gives bf16 (a single block of another kind than FLUX's)")
+        elif fp8_dtype is not None:
+            forward = _bria_single_block_forward_fp8 if type(block) is BriaSingleTransformerBlock else None
+            fp8 = flux._quantize_single_block(block, path, patches, report, fp8_dtype, forward)
         if not _ada_layer_norm_zero(block.norm, True):
             report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
         elif patching.replace_forward(patches, report, block.norm, f"{path}.norm",
-                                      flux._ada_layer_norm_zero_single_forward):
-            report.replaced.append((f"{path}.norm", "norm_scale_shift"))
-        patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
-                                   flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
+                                      flux._forward(flux._ada_layer_norm_zero_single_forward, fp8)):
+            report.replaced.append((f"{path}.norm", "norm_scale_shift" + ("_fp8" if fp8 else "")))
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)
