@@ -67,21 +67,10 @@ def _double_block_forward_of(residual_norm):
         outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
                             image_rotary_emb=image_rotary_emb, attention_mask=attention_mask,
                             **(joint_attention_kwargs or {}))
-        attention, context_attention = outputs[0], outputs[1]
-
-        norm_hidden_states, hidden_states = residual_norm(
-            attention, hidden_states, gate_msa, scale_mlp, shift_mlp, self.norm2.eps)
-        hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
-        if len(outputs) == 3:  # IP-Adapter output
-            hidden_states = hidden_states + outputs[2]
-
-        norm_context, encoder_hidden_states = residual_norm(
-            context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
-            self.norm2_context.eps)
-        encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
-        if encoder_hidden_states.dtype == torch.float16:
-            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-        return encoder_hidden_states, hidden_states
+        return flux.after_attention(self, outputs, hidden_states, encoder_hidden_states,
+                                    (gate_msa, shift_mlp, scale_mlp, gate_mlp),
+                                    (context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp),
+                                    residual_norm)
 
     return forward
 
