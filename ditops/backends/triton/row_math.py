@@ -128,10 +128,11 @@ def _saturate(values, FP8_MAX: tl.constexpr):
 def store_quantized(y, y_scale, static_scale, row, hidden, values, values_tail, head, head_mask, tail, tail_mask,
                     written, FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr):
     """Rows held as head and tail (zeros where masked), stored as FP8 values with one float32
-    scale per row written (row_tile's: the rows of the call) (backends/reference's _quantize_rows is the definition): dynamic, the row's
-    amax over FP8_MAX, floored at 1e-12 / FP8_MAX, and NaN for a row holding NaN or Inf; or
-    the one static scale, values beyond +-FP8_MAX saturating (NaN stays NaN). Comparisons
-    against FLT_MAX find NaN and Inf (Triton's max drops NaN)."""
+    scale per row where ``written`` (row_tile's: the call's rows; backends/reference's
+    _quantize_rows is the definition): dynamic, the row's amax over FP8_MAX, floored at
+    1e-12 / FP8_MAX, and NaN for a row holding NaN or Inf; or the one static scale, values
+    beyond +-FP8_MAX saturating (NaN stays NaN). Comparisons against FLT_MAX find NaN and Inf
+    (Triton's max drops NaN)."""
     if HAS_STATIC_SCALE:
         scale = tl.zeros_like(tl.sum(values, axis=1)[:, None]) + tl.load(static_scale).to(tl.float32)
     else:

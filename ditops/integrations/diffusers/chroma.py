@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from ... import ops
-from ...fp8 import Float8Rows
 from . import flux, patching, quantize
 
 
@@ -77,8 +75,7 @@ def _double_block_forward_of(residual_norm):
 
 def _single_block_forward_fp8(self, hidden_states, temb, image_rotary_emb=None, attention_mask=None,
                               joint_attention_kwargs=None):
-    """diffusers' ChromaSingleTransformerBlock with FP8 GEMMs, as flux._single_block_forward_fp8:
-    one quantize_fp8 of [attention output, GELU(MLP)] for proj_out."""
+    """diffusers' ChromaSingleTransformerBlock with FP8 GEMMs, as flux._single_block_forward_fp8."""
     if self.training or patching.hooked(self, ("act_mlp",)):
         return type(self).forward(self, hidden_states, temb, image_rotary_emb, attention_mask, joint_attention_kwargs)
     residual = hidden_states
@@ -88,11 +85,7 @@ def _single_block_forward_fp8(self, hidden_states, temb, image_rotary_emb=None, 
         attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
     attention = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
                           attention_mask=attention_mask, **(joint_attention_kwargs or {}))
-    rows = Float8Rows(*ops.quantize_fp8(mlp_hidden_states, activation="gelu_tanh", prefix=attention))
-    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(rows)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return hidden_states
+    return flux.single_block_output_fp8(self, residual, gate, mlp_hidden_states, attention)
 
 
 # The ditops forwards: {FP8 rows from the norms?: forward}

@@ -133,9 +133,7 @@ def _forward(function, fp8: bool):
 def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                               joint_attention_kwargs=None):
     """diffusers' FluxSingleTransformerBlock with FP8 GEMMs: the norm's FP8 rows feed the MLP's
-    up projection and q/k/v; proj_out's input [attention output, GELU(MLP)] is quantised by one
-    quantize_fp8, one scale per row over both (as a Linear quantising its input would), never
-    concatenated in bf16."""
+    up projection and q/k/v; proj_out's input as single_block_output_fp8 takes it."""
     if self.training or patching.hooked(self, ("act_mlp",)):
         return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                   joint_attention_kwargs)
@@ -146,11 +144,20 @@ def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, 
     mlp_hidden_states = self.proj_mlp(norm_hidden_states)
     attention = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
                           **(joint_attention_kwargs or {}))
+    hidden_states = single_block_output_fp8(self, residual, gate, mlp_hidden_states, attention)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def single_block_output_fp8(block, residual, gate, mlp_hidden_states, attention):
+    """A FLUX-shaped single block (FLUX's, Chroma's) after its attention, with an FP8 proj_out:
+    its input [attention output, GELU(MLP)] quantised by one quantize_fp8, one scale per row over
+    both (as a Linear quantising its input would), never concatenated in bf16; then the gated
+    residual add."""
     rows = Float8Rows(*ops.quantize_fp8(mlp_hidden_states, activation="gelu_tanh", prefix=attention))
-    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(rows)
+    hidden_states = residual + gate.unsqueeze(1) * block.proj_out(rows)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
-    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
 
 
 class FluxQKNormRopeProcessor(patching.DitopsProcessor):
