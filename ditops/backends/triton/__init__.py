@@ -18,7 +18,7 @@ from ...dispatch.contract import Kernel
 from ..views import Rows, modulation, rows_of, tokens_of
 from .gated_add_norm import gated_add_norm_kernel
 from .kernel_launch import KernelLaunch, bind, run, trace
-from .launch import rotary_launch, row_grid, row_launch, settings_of
+from .launch import rotary_launch, row_grid, row_launch, row_tiles, settings_of
 from .modulated_norm import modulated_norm_kernel
 from .rotary import rotary_kernel
 from .row_quantize import row_quantize_kernel
@@ -94,13 +94,15 @@ def quantize_fp8_launch(x, activation, prefix, fp8_dtype, static_scale, y, y_sca
     prefix_rows = rows_of(prefix) if prefix is not None else Rows(0, 0, 0, 0, 0)
     width = prefix_rows.hidden + shape.hidden  # a row of y: the prefix's columns, then x's
     launch = row_launch("row_quantize", shape.batch * shape.tokens, width, settings_of(x))
+    block, tail = row_tiles(shape.hidden)  # x's columns and the prefix's are tiles of their own
+    prefix_block, prefix_tail = row_tiles(prefix_rows.hidden) if prefix is not None else (1, 1)
     return KernelLaunch(row_quantize_kernel, (-(-shape.tokens // launch.rows_per_program), shape.batch), (
         x, shape.batch_stride, shape.token_stride, prefix, prefix_rows.batch_stride, prefix_rows.token_stride,
-        prefix_rows.hidden, y, y_scale, static_scale, shape.tokens, width,
+        prefix_rows.hidden, y, y_scale, static_scale, shape.tokens, shape.hidden,
     ), dict(
         GELU=activation == "gelu_tanh", PREFIX=prefix is not None, HAS_STATIC_SCALE=static_scale is not None,
-        FP8_MAX=_fp8_max(y_scale, y),
-        BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
+        FP8_MAX=_fp8_max(y_scale, y), BLOCK=block, TAIL=tail, PREFIX_BLOCK=prefix_block, PREFIX_TAIL=prefix_tail,
+        ROWS_PER_PROGRAM=launch.rows_per_program, num_warps=launch.num_warps,
     ))
 
 

@@ -50,6 +50,14 @@ def _head_and_tail(n: int) -> tuple:
     return head, triton.next_power_of_2(n - head) if n > head else 0
 
 
+def row_tiles(hidden: int) -> tuple:
+    """The head and tail tiles (row_math.py) of rows of D = hidden: _head_and_tail's, with a
+    tail of 1, all masked, where the head holds the row (the row kernels always have a tail);
+    D = 0 (quantize_fp8's x or prefix beside a part that is not empty) has one masked column."""
+    block, tail = _head_and_tail(max(hidden, 1))
+    return block, tail or 1
+
+
 # The launch table's row kernel entries (row_launch's ``kernel``). FP8 calls take "<kernel>_fp8"
 # (triton/__init__.py's _table), but the select kernel's residual form, whose FP8 calls measured
 # best at its bf16 entries; row_quantize stores FP8 rows only.
@@ -74,8 +82,7 @@ def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     rows_per_program, which set how a row is reduced, depend on D and the device alone;
     early_loads and the row loop (row_grid), which only reorder loads and programs, also on
     the number of rows."""
-    block, tail = _head_and_tail(hidden)
-    tail = tail or 1  # the row kernels always have a tail tile: all masked here
+    block, tail = row_tiles(hidden)
     early_loads = rows <= _entry("early_loads_max_rows", owners)
     for entry in _entry(kernel, owners):
         if hidden <= entry["max_hidden"]:

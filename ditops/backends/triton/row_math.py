@@ -120,31 +120,46 @@ def fold_affine(multiplier, addend, weight, bias, columns, mask, HAS_WEIGHT: tl.
 
 @triton.jit
 def _saturate(values, FP8_MAX: tl.constexpr):
-    """values clamped to +-FP8_MAX by selects (Triton's min and max drop NaN; a select keeps it)."""
-    return tl.where(values > FP8_MAX, FP8_MAX, tl.where(values < -FP8_MAX, -FP8_MAX, values))
+    """values clamped to +-FP8_MAX, NaN kept (Triton's min and max drop it; tl.clamp's
+    propagate_nan keeps it, one instruction a value on sm_90 against a compare and select per
+    bound)."""
+    return tl.clamp(values, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def amax_bits(values):
+    """The bits of each row's largest magnitude in a float32 tile, [ROWS, 1] int32. A
+    magnitude's bits order as its value, with Inf above every finite value and NaN above Inf:
+    one integer max finds the amax and whether the row is finite (Triton's max drops NaN)."""
+    return tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)[:, None]
+
+
+@triton.jit
+def row_scale(bits, static_scale, FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr):
+    """The float32 scale of rows whose amax_bits are ``bits`` (backends/reference's
+    _quantize_rows is the definition): dynamic, the amax over FP8_MAX, floored at
+    1e-12 / FP8_MAX, and NaN for a row holding NaN or Inf; or the one static scale."""
+    if HAS_STATIC_SCALE:
+        return tl.zeros_like(bits).to(tl.float32) + tl.load(static_scale).to(tl.float32)
+    amax = bits.to(tl.float32, bitcast=True)
+    return tl.where(bits >= 0x7F800000, float("nan"), tl.maximum(amax, 1e-12) / FP8_MAX)
+
+
+@triton.jit
+def store_fp8(pointer, values, inverse, mask, FP8_MAX: tl.constexpr):
+    """A tile stored as FP8 values of its scale's ``inverse``, beyond +-FP8_MAX saturating (NaN
+    stays NaN)."""
+    tl.store(pointer, _saturate(values * inverse, FP8_MAX).to(pointer.dtype.element_ty), mask=mask,
+             eviction_policy="evict_first")
 
 
 @triton.jit
 def store_quantized(y, y_scale, static_scale, row, hidden, values, values_tail, head, head_mask, tail, tail_mask,
                     written, FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr):
     """Rows held as head and tail (zeros where masked), stored as FP8 values with one float32
-    scale per row where ``written`` (row_tile's: the call's rows; backends/reference's
-    _quantize_rows is the definition): dynamic, the row's amax over FP8_MAX, floored at
-    1e-12 / FP8_MAX, and NaN for a row holding NaN or Inf; or the one static scale, values
-    beyond +-FP8_MAX saturating (NaN stays NaN). Comparisons against FLT_MAX find NaN and Inf
-    (Triton's max drops NaN)."""
-    if HAS_STATIC_SCALE:
-        scale = tl.zeros_like(tl.sum(values, axis=1)[:, None]) + tl.load(static_scale).to(tl.float32)
-    else:
-        # the magnitudes' bits order as their values, with Inf above every finite value and NaN
-        # above Inf: one integer max per tile finds the amax and whether the row is finite
-        bits = tl.maximum(tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
-                          tl.max(values_tail.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))[:, None]
-        amax = bits.to(tl.float32, bitcast=True)
-        scale = tl.where(bits >= 0x7F800000, float("nan"), tl.maximum(amax, 1e-12) / FP8_MAX)
+    scale per row (row_scale) where ``written`` (row_tile's: the call's rows)."""
+    scale = row_scale(tl.maximum(amax_bits(values), amax_bits(values_tail)), static_scale, FP8_MAX, HAS_STATIC_SCALE)
     inverse = 1.0 / scale  # one division per row: an IEEE division per value made the kernel compute-bound
-    tl.store(y + row * hidden + head, _saturate(values * inverse, FP8_MAX).to(y.dtype.element_ty), mask=head_mask,
-             eviction_policy="evict_first")
-    tl.store(y + row * hidden + tail, _saturate(values_tail * inverse, FP8_MAX).to(y.dtype.element_ty), mask=tail_mask,
-             eviction_policy="evict_first")
+    store_fp8(y + row * hidden + head, values, inverse, head_mask, FP8_MAX)
+    store_fp8(y + row * hidden + tail, values_tail, inverse, tail_mask, FP8_MAX)
     tl.store(y_scale + row, scale, mask=written)

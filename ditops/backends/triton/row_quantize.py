@@ -1,14 +1,15 @@
 """y, y_scale = FP8 rows of act(x) and their scales (op quantize_fp8): a program holds blocks
 of ROWS_PER_PROGRAM rows in registers as a head and a tail tile (row_math.py), applies the
-activation, and stores each row quantised against its amax (row_math.store_quantized): x is
-read once, y and one scale per row written once. With a prefix (PREFIX), a row is
-cat([prefix, act(x)]): the tiles span its P + D columns, each column read from the one tensor
-that holds it, so the amax covers both parts and neither is copied first."""
+activation, and stores each row quantised against its amax (row_math.row_scale): x is read
+once, y and one scale per row written once. With a prefix (PREFIX), a row is
+cat([prefix, act(x)]): the prefix has head and tail tiles of its own, so each tile reads one
+tensor and the activation runs on x's columns alone; the amax covers both parts and neither
+is copied first."""
 
 import triton
 import triton.language as tl
 
-from .row_math import load_rows, row_tile, store_quantized
+from .row_math import amax_bits, columns, load_rows, row_scale, row_tile, store_fp8
 
 
 @triton.jit
@@ -20,21 +21,11 @@ def _gelu_tanh(v):
 
 
 @triton.jit
-def _tile(x, x_batch_stride, x_token_stride, prefix, prefix_batch_stride, prefix_token_stride, prefix_width, batch,
-          token, columns, mask, GELU: tl.constexpr, PREFIX: tl.constexpr):
-    """A tile of the rows cat([prefix, act(x)]) as float32: columns below prefix_width from the
-    prefix as they are, the others from x (column - prefix_width) through the activation."""
-    if PREFIX:
-        v = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns - prefix_width,
-                      mask & (columns >= prefix_width))
-    else:
-        v = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
+def _activated(x, x_batch_stride, x_token_stride, batch, token, columns, mask, GELU: tl.constexpr):
+    """A tile of act(x) as float32."""
+    v = load_rows(x, batch, token, x_batch_stride, x_token_stride, columns, mask)
     if GELU:
         v = _gelu_tanh(v)
-    if PREFIX:
-        in_prefix = columns < prefix_width
-        v = tl.where(in_prefix, load_rows(prefix, batch, token, prefix_batch_stride, prefix_token_stride, columns,
-                                          mask & in_prefix), v)
     return v
 
 
@@ -43,14 +34,28 @@ def row_quantize_kernel(
     x, x_batch_stride, x_token_stride, prefix, prefix_batch_stride, prefix_token_stride, prefix_width,
     y, y_scale, static_scale, tokens, hidden,
     GELU: tl.constexpr, PREFIX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr, FP8_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, TAIL: tl.constexpr, PREFIX_BLOCK: tl.constexpr, PREFIX_TAIL: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
 ):
+    """hidden: x's D; a row of y has prefix_width + D values (prefix_width 0 without PREFIX)."""
     batch = tl.program_id(1).to(tl.int64)
     head, head_mask, tail, tail_mask, row, token, written = row_tile(tl.program_id(0), batch, tokens, hidden, BLOCK,
                                                                      TAIL, ROWS_PER_PROGRAM)
-    v = _tile(x, x_batch_stride, x_token_stride, prefix, prefix_batch_stride, prefix_token_stride, prefix_width, batch,
-              token, head, head_mask, GELU, PREFIX)
-    v_tail = _tile(x, x_batch_stride, x_token_stride, prefix, prefix_batch_stride, prefix_token_stride, prefix_width,
-                   batch, token, tail, tail_mask, GELU, PREFIX)
-    store_quantized(y, y_scale, static_scale, row, hidden, v, v_tail, head, head_mask, tail, tail_mask, written, FP8_MAX,
-                    HAS_STATIC_SCALE)
+    v = _activated(x, x_batch_stride, x_token_stride, batch, token, head, head_mask, GELU)
+    v_tail = _activated(x, x_batch_stride, x_token_stride, batch, token, tail, tail_mask, GELU)
+    bits = tl.maximum(amax_bits(v), amax_bits(v_tail))
+    width = prefix_width + hidden
+    if PREFIX:
+        p_head, p_head_mask, p_tail, p_tail_mask = columns(tl.where(written, prefix_width, 0), PREFIX_BLOCK, PREFIX_TAIL)
+        p = load_rows(prefix, batch, token, prefix_batch_stride, prefix_token_stride, p_head, p_head_mask)
+        p_tail_values = load_rows(prefix, batch, token, prefix_batch_stride, prefix_token_stride, p_tail, p_tail_mask)
+        bits = tl.maximum(bits, tl.maximum(amax_bits(p), amax_bits(p_tail_values)))
+    scale = row_scale(bits, static_scale, FP8_MAX, HAS_STATIC_SCALE)
+    inverse = 1.0 / scale
+    out = y + row * width + prefix_width
+    store_fp8(out + head, v, inverse, head_mask, FP8_MAX)
+    store_fp8(out + tail, v_tail, inverse, tail_mask, FP8_MAX)
+    if PREFIX:
+        store_fp8(y + row * width + p_head, p, inverse, p_head_mask, FP8_MAX)
+        store_fp8(y + row * width + p_tail, p_tail_values, inverse, p_tail_mask, FP8_MAX)
+    tl.store(y_scale + row, scale, mask=written)
