@@ -1,8 +1,12 @@
 """ditops under diffusers' context parallelism (``enable_parallelism``), both orders of
-``apply`` and ``enable_parallelism``: FLUX, Wan, Qwen-Image and Qwen-Image-Edit at tiny widths (Z-Image has no
-context-parallel plan in diffusers 0.42). Each rank's output must match the single-process
-run, and every attention call must get the parallel config exactly where the unpatched model's
-does (Wan's cross-attention runs without it there too).
+``apply`` and ``enable_parallelism``: every patched family with a context-parallel plan in
+diffusers 0.42 (FLUX, Wan, Qwen-Image and Qwen-Image-Edit, FLUX.2, LTX-Video, ChronoEdit) at
+tiny widths; Z-Image, HunyuanVideo, SD3 and the others have no plan. LTX-2's plan fails in
+diffusers 0.42.1 without ditops (its audio-video cross-attentions take the video RoPE table
+unsplit: "The size of tensor a (16) must match the size of tensor b (32)"). Each rank's
+output must match the single-process run, and every attention call must get the parallel
+config exactly where the unpatched model's does (Wan's cross-attention runs without it there
+too).
 
 Under pytest: two CPU processes on gloo, Ulysses degree 2. Ring attention needs an attention
 backend that returns the log-sum-exp, and none of diffusers' does on CPU (native refuses
@@ -29,11 +33,27 @@ diffusers = pytest.importorskip("diffusers")
 integration = pytest.importorskip("ditops.integrations.diffusers")
 
 sys.path.insert(0, os.path.dirname(__file__))  # the tiny models, also when torchrun runs this file
+from test_diffusers_coverage import tiny_chronoedit, tiny_flux2, tiny_ltx  # noqa: E402
 from test_diffusers_integration import TOLERANCE, tiny_flux, tiny_qwen, tiny_wan  # noqa: E402
 
+
+def coverage_model(builder, blocks):
+    """A tiny model of test_diffusers_coverage.py as this file's builders give one: (model,
+    inputs, blocks) in ``dtype`` (its activations; ids and timesteps as they are). Tiny widths
+    only (real_width is ignored)."""
+    def build(dtype, real_width=False):
+        model, inputs = builder()
+        return model.to(dtype), {key: value.to(dtype) if "hidden_states" in key else value
+                                 for key, value in inputs.items()}, blocks
+    return build
+
+
 BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen,
-            "qwen-image-edit": lambda dtype, **width: tiny_qwen(dtype, edit=True, **width)}  # modulate_index split too
-DIFFUSERS_MODULES = ("transformer_flux", "transformer_wan", "transformer_qwenimage")
+            "qwen-image-edit": lambda dtype, **width: tiny_qwen(dtype, edit=True, **width),  # modulate_index split too
+            "flux2": coverage_model(tiny_flux2, 4), "ltx-video": coverage_model(tiny_ltx, 2),
+            "chronoedit": coverage_model(tiny_chronoedit, 2)}
+DIFFUSERS_MODULES = ("transformer_flux", "transformer_wan", "transformer_qwenimage", "transformer_flux2",
+                     "transformer_ltx", "transformer_chronoedit")
 
 
 def shardable(name, inputs) -> dict:
@@ -46,6 +66,16 @@ def shardable(name, inputs) -> dict:
         # reference backend too), and with a mask ditops now runs diffusers' own attention there anyway
         # (tests/test_diffusers_deployments.py). The tiny mask is all ones.
         return {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :6], "encoder_hidden_states_mask": None}
+    if name.startswith("ltx"):
+        # No text mask: diffusers 0.42.1 splits it with the text and Ulysses attention then masks the
+        # gathered keys with one rank's half (LTX-Video: "output with shape [2, 1, 32, 6] doesn't
+        # match the broadcast shape [2, 2, 32, 6]" without ditops too); the tiny mask is all ones.
+        # LTX-2's plan needs the argument given (None): its hook looks it up by position otherwise.
+        return {**inputs, "encoder_attention_mask": None}
+    if name == "flux2":  # its plan splits batched ids ([B, S, 4]); FLUX.2 takes the first item's
+        text = inputs["encoder_hidden_states"][:, :4]
+        return {**inputs, "encoder_hidden_states": text, "img_ids": inputs["img_ids"].expand(len(text), -1, -1),
+                "txt_ids": inputs["txt_ids"][:4].expand(len(text), -1, -1)}
     return inputs
 
 
