@@ -152,6 +152,30 @@ def test_flux_like_runs_the_ops(monkeypatch, name):
                                    + ["qk_norm_rope_"] * (4 + single_rope))
 
 
+def block_call(model, inputs, block) -> tuple:
+    """The positional and keyword arguments `block` gets in one forward of the model."""
+    captured = []
+    handle = block.register_forward_pre_hook(lambda module, args, kwargs: captured.append((args, kwargs)),
+                                             with_kwargs=True)
+    run(model, inputs)
+    handle.remove()
+    return captured[0]
+
+
+@pytest.mark.parametrize("name", FLUX_LIKE)
+def test_flux_like_blocks_trace_as_one_graph(name):
+    """A patched double and single block under torch.compile(fullgraph=True): one graph each,
+    the ditops ops its nodes (FIBO's single block: its norm alone, its attention is diffusers')."""
+    build, _, _ = FLUX_LIKE[name]
+    model, inputs = build()
+    integration.apply(model)
+    for block, ops in ((model.transformer_blocks[0], FLUX_OPS),
+                       (model.single_transformer_blocks[0],
+                        {"norm_scale_shift"} | (set() if name == "bria-fibo" else {"qk_norm_rope_"}))):
+        arguments, keywords = block_call(model, inputs, block)
+        assert_traces_as_one_graph(block, arguments, ops, keywords)
+
+
 def test_chroma_attention_mask_reaches_attention():
     """Chroma's mask changes the second prompt's output (the first keeps every token), so the
     comparison with diffusers above covers the mask's way through the ditops processor."""
@@ -266,6 +290,16 @@ def test_wan_like_runs_the_ops(monkeypatch, name):
     vace = 1 if name == "wan-vace" else 0
     assert calls == sorted((["norm_scale_shift"] + ["residual_norm_scale_shift"] * 2 + ["qk_norm_rope_"]) * 2
                            + ["qk_norm_rope_"] * vace)
+
+
+@pytest.mark.parametrize("name", WAN_LIKE)
+def test_wan_like_block_traces_as_one_graph(name):
+    model, inputs = WAN_LIKE[name][0]()
+    integration.apply(model)
+    block = model.blocks[0]
+    arguments, keywords = block_call(model, inputs, block)
+    assert_traces_as_one_graph(block, arguments, {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"},
+                               keywords)
 
 
 def test_skyreels_v2_runs_per_token_modulation_and_the_causal_mask(monkeypatch):
@@ -399,6 +433,15 @@ def test_sd35_runs_the_ops(monkeypatch):
     assert calls == sorted(["norm_scale_shift"] * (2 + 1 + 4 + 2 + 1 + 1 + 4) + ["residual_norm_scale_shift"] * 3)
 
 
+def test_sd35_block_traces_as_one_graph():
+    """SD3.5's dual-attention block: its norms and per-head q/k RMSNorms are the graph's nodes."""
+    model, inputs = tiny_sd3(sd35=True)
+    integration.apply(model)
+    block = model.transformer_blocks[0]
+    arguments, keywords = block_call(model, inputs, block)
+    assert_traces_as_one_graph(block, arguments, {"norm_scale_shift", "residual_norm_scale_shift"}, keywords)
+
+
 def test_sd3_block_with_an_affine_norm2_is_left_alone_and_reported():
     model, inputs = tiny_sd3(sd35=True)
     block = model.transformer_blocks[0]
@@ -436,6 +479,15 @@ def test_flux2_runs_the_ops(monkeypatch):
     calls = patched_calls(monkeypatch, tiny_flux2, sorted(FLUX_OPS))
     # double blocks: 2 modulated norms, 2 residual norms, 2 RoPE calls (text, image); single blocks: 1 + 1
     assert calls == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4 + ["qk_norm_rope_"] * 6)
+
+
+def test_flux2_blocks_trace_as_one_graph():
+    model, inputs = tiny_flux2()
+    integration.apply(model)
+    for block, ops in ((model.transformer_blocks[0], FLUX_OPS),
+                       (model.single_transformer_blocks[0], {"norm_scale_shift", "qk_norm_rope_"})):
+        arguments, keywords = block_call(model, inputs, block)
+        assert_traces_as_one_graph(block, arguments, ops, keywords)
 
 
 def test_flux2_kv_cache_processors_are_left_alone_and_reported():
@@ -595,14 +647,15 @@ def block_arguments(model, inputs, blocks) -> dict:
     return captured
 
 
-def assert_traces_as_one_graph(block, arguments, ops) -> None:
+def assert_traces_as_one_graph(block, arguments, ops, keywords=None) -> None:
     """torch.compile(fullgraph=True) of `block`: one graph with the ditops `ops` as nodes, and
     the eager output within one op's tolerance."""
+    keywords = keywords or {}
     with torch.no_grad():
         torch._dynamo.reset()
-        explained = torch._dynamo.explain(block)(*arguments)
-        expected = block(*arguments)
-        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(*arguments)
+        explained = torch._dynamo.explain(block)(*arguments, **keywords)
+        expected = block(*arguments, **keywords)
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(*arguments, **keywords)
     assert explained.graph_break_count == 0 and len(explained.graphs) == 1
     for op in ops:
         assert f"torch.ops.ditops.{op}" in explained.graphs[0].code, f"{op} is not a node of the traced graph"
