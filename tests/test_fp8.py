@@ -263,7 +263,7 @@ def _in_dtype(build):
 
 FLUX_LIKE = {name: _in_dtype(entry[0]) for name, entry in coverage.FLUX_LIKE.items()}
 TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3),
-        **FLUX_LIKE}
+        **FLUX_LIKE, "flux2": _in_dtype(coverage.tiny_flux2)}
 
 
 def _state(model) -> dict:
@@ -320,6 +320,26 @@ def test_flux_norms_feed_their_projections_fp8_rows(monkeypatch):
     fed = [path for path, kind in report.linears if kind.startswith("fp8") and "own input" not in kind]
     assert "transformer_blocks.0.attn.to_q" in fed and "single_transformer_blocks.1.proj_mlp" in fed
     assert "transformer_blocks.0.norm1.linear" not in fed  # its input is silu(temb), no op's output
+
+
+def test_flux2_norms_feed_their_projections_fp8_rows(monkeypatch):
+    """FLUX.2: q/k/v of both streams (one GEMM each), the SwiGLU MLPs' linear_in and the single
+    blocks' fused qkv + MLP projection take the norms' FP8 rows; what follows SwiGLU and the
+    single blocks' output projection quantise their own input."""
+    model, inputs, _ = TINY["flux2"](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    assert calls.count("norm_scale_shift_fp8") == 2 * 2 + 2
+    assert calls.count("residual_norm_scale_shift_fp8") == 2 * 2
+    kinds = dict(report.linears)
+    fed = {path for path, kind in kinds.items() if kind.startswith("fp8") and "own input" not in kind}
+    assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.add_v_proj", "transformer_blocks.0.ff.linear_in",
+            "transformer_blocks.1.ff_context.linear_in", "single_transformer_blocks.1.attn.to_qkv_mlp_proj"} <= fed
+    assert "own input" in kinds["transformer_blocks.0.ff.linear_out"]
+    assert "own input" in kinds["single_transformer_blocks.0.attn.to_out"]
+    joined = {path for path, kind in report.replaced if kind.startswith("one FP8 GEMM")}
+    assert {"transformer_blocks.0.attn.to_qkv", "transformer_blocks.0.attn.to_added_qkv"} <= joined
 
 
 # FP8 rows from the norms, per double block (2 norms, 2 residual norms) and single block (its
@@ -392,7 +412,7 @@ def test_a_flux_model_with_its_own_fused_projections_keeps_them_and_runs_fp8():
     assert torch.equal(run(model, inputs), expected)
 
 
-@pytest.mark.parametrize("name", ["flux", "chroma"])
+@pytest.mark.parametrize("name", ["flux", "chroma", "flux2"])
 def test_compiled_fp8_flux_has_no_graph_break_and_matches_eager(name):
     model, inputs, _ = TINY[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
@@ -402,7 +422,7 @@ def test_compiled_fp8_flux_has_no_graph_break_and_matches_eager(name):
         explained = torch._dynamo.explain(model)(**inputs)
         assert explained.graph_break_count == 0
         code = "".join(graph.code for graph in explained.graphs)
-        for op in ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8"):  # FLUX's
+        for op in ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8"):  # FLUX's (FLUX.2: SwiGLU's)
             assert f"torch.ops.ditops.{op}(" in code
         compiled = torch.compile(model, fullgraph=True)(**inputs).sample.float()
     # bf16 rounding differs between Inductor's code and eager; FP8 rounding may amplify a

@@ -13,6 +13,13 @@ own modulation) and the blocks hold plain LayerNorms.
   computes what ``FluxAttnProcessor`` does), in single blocks on the q and k slices of the fused
   qkv + MLP projection (``Flux2ParallelQKNormRopeProcessor``).
 
+With ``quantize="fp8"`` (quantize.py) the norms give FP8 rows (``norm_scale_shift_fp8``,
+``residual_norm_scale_shift_fp8``) to the Linears they feed, now FP8: q/k/v of both streams
+(one GEMM per stream), the SwiGLU MLPs' ``linear_in``, and the single blocks' fused qkv + MLP
+projection. The SwiGLU output and the single blocks' [attention, SwiGLU(MLP)] quantise their
+own rows in their Linears (``quantize_fp8`` has no SwiGLU). A block whose processor is not
+ditops', or one of whose fed Linears cannot be FP8, keeps bf16 norms.
+
 The KV-cache processors of FLUX.2 klein (``Flux2KVAttnProcessor``,
 ``Flux2KVParallelSelfAttnProcessor``) are left as they are and reported; the block forwards
 serve them too, since they call whatever processor the attention holds.
@@ -23,62 +30,72 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from . import flux, patching
+from . import flux, patching, quantize
 
 
-def _double_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
-                          image_rotary_emb=None, joint_attention_kwargs=None):
-    """diffusers' Flux2TransformerBlock with each modulated norm as norm_scale_shift and each
-    "residual + gate * attention, then norm2 and its modulation" as residual_norm_scale_shift."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+def _double_block_forward_of(norm, residual_norm):
+    def forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb=None,
+                joint_attention_kwargs=None):
+        """diffusers' Flux2TransformerBlock with each modulated norm as ``norm`` and each
+        "residual + gate * attention, then norm2 and its modulation" as ``residual_norm``
+        (flux.py's: tensors, or FP8 rows for the Linears they feed)."""
+        from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
 
-    if patching.hooked(self, ("norm1", "norm1_context", "norm2", "norm2_context")):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
-                                  image_rotary_emb, joint_attention_kwargs)
-    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(temb_mod_img, 2)
-    context_msa, context_mlp = Flux2Modulation.split(temb_mod_txt, 2)
-    (context_shift_msa, context_scale_msa, context_gate_msa) = context_msa
-    (context_shift_mlp, context_scale_mlp, context_gate_mlp) = context_mlp
-    norm_hidden_states = ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
-    norm_context = ops.norm_scale_shift(encoder_hidden_states, context_scale_msa, context_shift_msa,
-                                        eps=self.norm1_context.eps)
-    attention, context_attention = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
-                                             image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+        if patching.hooked(self, ("norm1", "norm1_context", "norm2", "norm2_context")):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
+                                      image_rotary_emb, joint_attention_kwargs)
+        (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(temb_mod_img, 2)
+        context_msa, context_mlp = Flux2Modulation.split(temb_mod_txt, 2)
+        (context_shift_msa, context_scale_msa, context_gate_msa) = context_msa
+        (context_shift_mlp, context_scale_mlp, context_gate_mlp) = context_mlp
+        norm_hidden_states = norm(hidden_states, scale_msa, shift_msa, self.norm1.eps)
+        norm_context = norm(encoder_hidden_states, context_scale_msa, context_shift_msa, self.norm1_context.eps)
+        attention, context_attention = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
+                                                 image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
 
-    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
-        attention, hidden_states, gate_msa, scale_mlp, shift_mlp, eps=self.norm2.eps)
-    hidden_states = hidden_states + gate_mlp * self.ff(norm_hidden_states)
+        norm_hidden_states, hidden_states = residual_norm(attention, hidden_states, gate_msa, scale_mlp, shift_mlp,
+                                                          self.norm2.eps)
+        hidden_states = hidden_states + gate_mlp * self.ff(norm_hidden_states)
 
-    norm_context, encoder_hidden_states = ops.residual_norm_scale_shift(
-        context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
-        eps=self.norm2_context.eps)
-    encoder_hidden_states = encoder_hidden_states + context_gate_mlp * self.ff_context(norm_context)
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+        norm_context, encoder_hidden_states = residual_norm(context_attention, encoder_hidden_states, context_gate_msa,
+                                                            context_scale_mlp, context_shift_mlp, self.norm2_context.eps)
+        encoder_hidden_states = encoder_hidden_states + context_gate_mlp * self.ff_context(norm_context)
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
+
+    return forward
 
 
-def _single_block_forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
-                          joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
-    """diffusers' Flux2SingleTransformerBlock with its modulated norm as norm_scale_shift."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+def _single_block_forward_of(norm):
+    def forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
+                joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
+        """diffusers' Flux2SingleTransformerBlock with its modulated norm as ``norm``."""
+        from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
 
-    if patching.hooked(self, ("norm",)):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb,
-                                  joint_attention_kwargs, split_hidden_states, text_seq_len)
-    if encoder_hidden_states is not None:  # else the text rows are already in front of hidden_states
-        text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    shift, scale, gate = Flux2Modulation.split(temb_mod, 1)[0]
-    norm_hidden_states = ops.norm_scale_shift(hidden_states, scale, shift, eps=self.norm.eps)
-    attention = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
-                          **(joint_attention_kwargs or {}))
-    hidden_states = hidden_states + gate * attention
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    if split_hidden_states:
-        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-    return hidden_states
+        if patching.hooked(self, ("norm",)):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb,
+                                      joint_attention_kwargs, split_hidden_states, text_seq_len)
+        if encoder_hidden_states is not None:  # else the text rows are already in front of hidden_states
+            text_seq_len = encoder_hidden_states.shape[1]
+            hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        shift, scale, gate = Flux2Modulation.split(temb_mod, 1)[0]
+        norm_hidden_states = norm(hidden_states, scale, shift, self.norm.eps)
+        attention = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                              **(joint_attention_kwargs or {}))
+        hidden_states = hidden_states + gate * attention
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        if split_hidden_states:
+            return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+        return hidden_states
+
+    return forward
+
+
+_DOUBLE_BLOCK_FORWARDS = {False: _double_block_forward_of(flux._norm, flux._residual_norm),
+                          True: _double_block_forward_of(flux._norm_fp8, flux._residual_norm_fp8)}
+_SINGLE_BLOCK_FORWARDS = {False: _single_block_forward_of(flux._norm), True: _single_block_forward_of(flux._norm_fp8)}
 
 
 class Flux2ParallelQKNormRopeProcessor(patching.DitopsProcessor):
@@ -111,29 +128,62 @@ def _norms_supported(attn) -> bool:
                for norm in norms)
 
 
-def patch(model, patches: list, report) -> None:
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches FLUX.2's blocks; with ``fp8_dtype`` their Linears run FP8, fed FP8 rows by the
+    norms where a block's processor is ditops' and all the Linears its norms feed became FP8."""
     from diffusers.models.transformers.transformer_flux2 import (Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor,
                                                                  Flux2SingleTransformerBlock, Flux2TransformerBlock)
 
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
-        norms = (block.norm1, block.norm1_context, block.norm2, block.norm2_context)
-        if type(block) is Flux2TransformerBlock and all(map(patching.plain_layer_norm, norms)):
-            if patching.replace_forward(patches, report, block, path, _double_block_forward):
-                report.replaced.append((f"{path}.norm1, {path}.norm1_context", "norm_scale_shift"))
-                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift"))
-        else:
-            report.skipped.append(f"{path}: another block type, or norms with affine parameters or of another type")
         supported = type(block.attn.processor) is Flux2AttnProcessor and _norms_supported(block.attn)
         patching.replace_processor(patches, report, block.attn, f"{path}.attn", supported,
                                    flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
+        norms = (block.norm1, block.norm1_context, block.norm2, block.norm2_context)
+        if type(block) is Flux2TransformerBlock and all(map(patching.plain_layer_norm, norms)):
+            fp8 = fp8_dtype is not None and _quantize_double_block(block, path, patches, report, fp8_dtype)
+            suffix = "_fp8" if fp8 else ""
+            if patching.replace_forward(patches, report, block, path, _DOUBLE_BLOCK_FORWARDS[fp8]):
+                report.replaced.append((f"{path}.norm1, {path}.norm1_context", "norm_scale_shift" + suffix))
+                report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
+        else:
+            report.skipped.append(f"{path}: another block type, or norms with affine parameters or of another type")
     for index, block in enumerate(model.single_transformer_blocks):
         path = f"single_transformer_blocks.{index}"
-        if type(block) is Flux2SingleTransformerBlock and patching.plain_layer_norm(block.norm):
-            if patching.replace_forward(patches, report, block, path, _single_block_forward):
-                report.replaced.append((f"{path}.norm", "norm_scale_shift"))
-        else:
-            report.skipped.append(f"{path}: another block type, or a norm with affine parameters or of another type")
         supported = type(block.attn.processor) is Flux2ParallelSelfAttnProcessor and _norms_supported(block.attn)
         patching.replace_processor(patches, report, block.attn, f"{path}.attn", supported,
                                    Flux2ParallelQKNormRopeProcessor, "qk_norm_rope_")
+        if type(block) is Flux2SingleTransformerBlock and patching.plain_layer_norm(block.norm):
+            fp8 = fp8_dtype is not None and _quantize_single_block(block, path, patches, report, fp8_dtype)
+            if patching.replace_forward(patches, report, block, path, _SINGLE_BLOCK_FORWARDS[fp8]):
+                report.replaced.append((f"{path}.norm", "norm_scale_shift" + ("_fp8" if fp8 else "")))
+        else:
+            report.skipped.append(f"{path}: another block type, or a norm with affine parameters or of another type")
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)
+
+
+def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the block's norms feed -> FP8 (q/k/v of both streams, each joined into one
+    GEMM, and both MLPs' linear_in); True where the norms may give them FP8 rows."""
+    if type(block.attn.processor) is not flux.FluxQKNormRopeProcessor:
+        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+        return False
+    linears = (quantize.fed(block.attn, flux._QKV + flux._ADDED_QKV, f"{path}.attn")
+               + quantize.fed(block.ff, ("linear_in",), f"{path}.ff")
+               + quantize.fed(block.ff_context, ("linear_in",), f"{path}.ff_context"))
+    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
+        return False
+    quantize.join_projections(patches, report, block.attn, f"{path}.attn",
+                              {"to_qkv": flux._QKV, "to_added_qkv": flux._ADDED_QKV})
+    return True
+
+
+def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linear the block's norm feeds -> FP8 (the fused qkv + MLP projection); True where
+    the norm may give it FP8 rows."""
+    if type(block.attn.processor) is not Flux2ParallelQKNormRopeProcessor:
+        report.skipped.append(f"{path}: its norm gives bf16 (the attention processor is not ditops')")
+        return False
+    return quantize.replace_fed(patches, report, quantize.fed(block.attn, ("to_qkv_mlp_proj",), f"{path}.attn"),
+                                fp8_dtype, path)
