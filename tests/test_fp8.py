@@ -263,7 +263,8 @@ def _in_dtype(build):
 
 FLUX_LIKE = {name: _in_dtype(entry[0]) for name, entry in coverage.FLUX_LIKE.items()}
 TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3),
-        **FLUX_LIKE, "flux2": _in_dtype(coverage.tiny_flux2)}
+        **FLUX_LIKE, "flux2": _in_dtype(coverage.tiny_flux2), "hunyuan-video": _in_dtype(coverage.tiny_hunyuan_video),
+        "hunyuan-video-1.5": _in_dtype(coverage.tiny_hunyuan_video15)}
 
 
 def _state(model) -> dict:
@@ -340,6 +341,46 @@ def test_flux2_norms_feed_their_projections_fp8_rows(monkeypatch):
     assert "own input" in kinds["single_transformer_blocks.0.attn.to_out"]
     joined = {path for path, kind in report.replaced if kind.startswith("one FP8 GEMM")}
     assert {"transformer_blocks.0.attn.to_qkv", "transformer_blocks.0.attn.to_added_qkv"} <= joined
+
+
+@pytest.mark.parametrize("name", ["hunyuan-video", "hunyuan-video-1.5"])
+def test_hunyuan_video_double_block_norms_feed_their_projections_fp8_rows(name, monkeypatch):
+    """The double blocks' norms feed q/k/v of both streams and the GELU MLPs (GELU + quantisation
+    in one quantize_fp8); the single blocks' norm gives bf16 (the report says why)."""
+    model, inputs, _ = TINY[name](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    assert calls.count("norm_scale_shift_fp8") == 2 * 2
+    assert calls.count("residual_norm_scale_shift_fp8") == 2 * 2
+    kinds = dict(report.linears)
+    fed = {path for path, kind in kinds.items() if kind.startswith("fp8") and "own input" not in kind}
+    assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.add_v_proj", "transformer_blocks.0.ff.net.0.proj",
+            "transformer_blocks.1.ff_context.net.2"} <= fed
+    singles = [path for path in kinds if path.startswith("single_transformer_blocks")]
+    assert all("own input" in kinds[path] for path in singles if kinds[path].startswith("fp8"))
+    if singles:
+        assert any(entry.startswith("single_transformer_blocks.0.norm: gives bf16") for entry in report.skipped)
+
+
+@pytest.mark.parametrize("name", ["hunyuan-video", "hunyuan-video-1.5"])
+def test_compiled_fp8_hunyuan_video_double_block_is_one_graph_and_matches_eager(name):
+    """A double block with FP8 norms under torch.compile(fullgraph=True) (the whole model has
+    graph breaks of diffusers' own: 1.5's, without ditops, two)."""
+    model, inputs, _ = TINY[name](torch.bfloat16)
+    integration.apply(model, quantize="fp8")
+    block = model.transformer_blocks[0]
+    arguments, keywords = coverage.block_call(model, inputs, block)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(block)(*arguments, **keywords)
+        assert explained.graph_break_count == 0 and len(explained.graphs) == 1
+        for op in ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8", "qk_norm_rope_"):
+            assert f"torch.ops.ditops.{op}" in explained.graphs[0].code, op
+        eager = block(*arguments, **keywords)
+        compiled = torch.compile(block, fullgraph=True)(*arguments, **keywords)
+    for got, want in zip(compiled, eager):
+        assert (got.float() - want.float()).norm() / want.float().norm() < 0.05
 
 
 # FP8 rows from the norms, per double block (2 norms, 2 residual norms) and single block (its

@@ -23,6 +23,13 @@ attention are still patched.
   with norm weights of another dtype than the activations (diffusers' RMSNorm then returns the
   weights' dtype) go to diffusers' processor.
 
+With ``quantize="fp8"`` (quantize.py) a double block's norms give FP8 rows
+(``norm_scale_shift_fp8``, ``residual_norm_scale_shift_fp8``) to q/k/v of both streams and to
+the GELU MLPs, whose GELU and quantisation are one ``quantize_fp8``, where every norm of the
+block is patched and its processor is ditops'. The single blocks' norm gives bf16: diffusers'
+single block slices its output into video and text rows for the attention, and their Linears
+quantise their own input.
+
 Left as diffusers wrote them: the text token refiner (``context_embedder``: affine LayerNorms
 over the text tokens, once per step), the output ``norm_out``, the single blocks' gated
 ``proj_out`` (no norm follows it), and the ``token_replace`` norms (a per-token choice of two
@@ -35,46 +42,59 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from . import flux, patching, wan
+from ...fp8 import Float8Rows
+from . import flux, patching, quantize, wan
 
 _NORM2S = ("norm2", "norm2_context")
 
 
-def _modulated_block(self, hidden_states, encoder_hidden_states, temb, attention_mask, rotary_emb):
+def _modulated_block(self, hidden_states, encoder_hidden_states, temb, attention_mask, rotary_emb, residual_norm):
     """diffusers' HunyuanVideoTransformerBlock after the hook check: each "residual + gate *
-    attention, then norm2 and its modulation" as one residual_norm_scale_shift."""
+    attention, then norm2 and its modulation" as one ``residual_norm`` (flux.py's: a tensor, or
+    FP8 rows for the MLP)."""
     norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
     norm_context, context_gate_msa, context_shift_mlp, context_scale_mlp, context_gate_mlp = self.norm1_context(
         encoder_hidden_states, emb=temb)
     attention, context_attention = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
                                              attention_mask=attention_mask, image_rotary_emb=rotary_emb)
-    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
-        attention, hidden_states, gate_msa, scale_mlp, shift_mlp, eps=self.norm2.eps)
-    norm_context, encoder_hidden_states = ops.residual_norm_scale_shift(
-        context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
-        eps=self.norm2_context.eps)
+    norm_hidden_states, hidden_states = residual_norm(attention, hidden_states, gate_msa, scale_mlp, shift_mlp,
+                                                      self.norm2.eps)
+    norm_context, encoder_hidden_states = residual_norm(context_attention, encoder_hidden_states, context_gate_msa,
+                                                        context_scale_mlp, context_shift_mlp, self.norm2_context.eps)
     ff_output, context_ff_output = self.ff(norm_hidden_states), self.ff_context(norm_context)
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff_output
     encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * context_ff_output
     return hidden_states, encoder_hidden_states
 
 
-def _block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None, freqs_cis=None,
-                   *args, **kwargs):
-    """diffusers' HunyuanVideoTransformerBlock / HunyuanVideo15TransformerBlock (``_modulated_block``)."""
-    if patching.hooked(self, _NORM2S):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis,
-                                  *args, **kwargs)
-    return _modulated_block(self, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis)
+def _block_forward_of(residual_norm):
+    def forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None, freqs_cis=None, *args, **kwargs):
+        """diffusers' HunyuanVideoTransformerBlock / HunyuanVideo15TransformerBlock (``_modulated_block``)."""
+        if patching.hooked(self, _NORM2S):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis,
+                                      *args, **kwargs)
+        return _modulated_block(self, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis,
+                                residual_norm)
+
+    return forward
 
 
-def _image_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
-                         image_rotary_emb=None, *args, **kwargs):
-    """diffusers' HunyuanImageTransformerBlock: 1.0's block, the rotary tables under another name."""
-    if patching.hooked(self, _NORM2S):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, attention_mask,
-                                  image_rotary_emb, *args, **kwargs)
-    return _modulated_block(self, hidden_states, encoder_hidden_states, temb, attention_mask, image_rotary_emb)
+def _image_block_forward_of(residual_norm):
+    def forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None, image_rotary_emb=None,
+                *args, **kwargs):
+        """diffusers' HunyuanImageTransformerBlock: 1.0's block, the rotary tables under another name."""
+        if patching.hooked(self, _NORM2S):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, attention_mask,
+                                      image_rotary_emb, *args, **kwargs)
+        return _modulated_block(self, hidden_states, encoder_hidden_states, temb, attention_mask, image_rotary_emb,
+                                residual_norm)
+
+    return forward
+
+
+# the double blocks' forwards by (diffusers' block class whose forward's code they take, FP8 norms)
+_BLOCK_FORWARDS = {False: (_block_forward_of(flux._residual_norm), _image_block_forward_of(flux._residual_norm)),
+                   True: (_block_forward_of(flux._residual_norm_fp8), _image_block_forward_of(flux._residual_norm_fp8))}
 
 
 def _rms(x, norm):
@@ -98,12 +118,14 @@ class HunyuanVideoQKNormRopeProcessor(patching.DitopsProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         single = attn.add_q_proj is None  # a single block: one projection of the video rows, then the text rows
         bypassed = self.bypassed[:2] if single else self.bypassed
+        # FP8 rows (quantize="fp8": the double blocks' norms feed them) stand for the projections' output dtype
+        dtype = attn.to_q.out_dtype if isinstance(hidden_states, Float8Rows) else hidden_states.dtype
         if (image_rotary_emb is None or encoder_hidden_states is None or self._unsupported_mask(attention_mask)
-                or not patching.norms_taken(attn, bypassed, hidden_states.dtype)):
+                or not patching.norms_taken(attn, bypassed, dtype)):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         cache = patching.cos_sin_cache(*image_rotary_emb)
-        text = encoder_hidden_states.shape[1]
         if single:
+            text = encoder_hidden_states.shape[1]
             query, key, value = _heads(attn, ("to_q", "to_k", "to_v"),
                                        torch.cat([hidden_states, encoder_hidden_states], dim=1))
             video_query, video_key = query[:, :-text], key[:, :-text]
@@ -112,6 +134,7 @@ class HunyuanVideoQKNormRopeProcessor(patching.DitopsProcessor):
             video_query, video_key, video_value = _heads(attn, ("to_q", "to_k", "to_v"), hidden_states)
             text_query, text_key, text_value = _heads(attn, ("add_q_proj", "add_k_proj", "add_v_proj"),
                                                       encoder_hidden_states)
+            text = text_query.shape[1]
             text_query, text_key = _rms(text_query, attn.norm_added_q), _rms(text_key, attn.norm_added_k)
             value = torch.cat([video_value, text_value], dim=1)
         # in place on the video rows (in a single block, views of the joint projection)
@@ -166,27 +189,31 @@ def _norms_supported(attn) -> bool:
                and getattr(attn, name).bias is None for name in names) and attn.norm_q.eps == attn.norm_k.eps
 
 
-def _ditops_forward(block):
-    """The ditops forward for a double block whose forward is the code of 1.0's (1.5's is the
-    same code) or of HunyuanImage's, else None."""
+def _ditops_forward(block, fp8: bool):
+    """The ditops forward (its FP8 form: its residual norms give FP8 rows) for a double block
+    whose forward is the code of 1.0's (1.5's is the same code) or of HunyuanImage's, else None."""
     from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoTransformerBlock
     from diffusers.models.transformers.transformer_hunyuanimage import HunyuanImageTransformerBlock
 
     forward = wan._code(type(block).forward.__code__)
-    for reference, ditops_forward in ((HunyuanVideoTransformerBlock, _block_forward),
-                                      (HunyuanImageTransformerBlock, _image_block_forward)):
+    for reference, ditops_forward in zip((HunyuanVideoTransformerBlock, HunyuanImageTransformerBlock),
+                                         _BLOCK_FORWARDS[fp8]):
         if forward == wan._code(reference.forward.__code__):
             return ditops_forward
     return None
 
 
-def _patch_norm(patches, report, block, path, name, norm_class, forward) -> None:
+def _norm_supported(norm, norm_class) -> bool:
+    return type(norm) is norm_class and patching.plain_layer_norm(norm.norm)
+
+
+def _patch_norm(patches, report, block, path, name, norm_class, forward, op="norm_scale_shift") -> None:
     norm = getattr(block, name)
-    if type(norm) is not norm_class or not patching.plain_layer_norm(norm.norm):
+    if not _norm_supported(norm, norm_class):
         report.skipped.append(f"{path}.{name}: {type(norm).__name__}, not {norm_class.__name__} over a LayerNorm "
                               "without affine parameters; left as it is")
     elif patching.replace_forward(patches, report, norm, f"{path}.{name}", forward):
-        report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
+        report.replaced.append((f"{path}.{name}", op))
 
 
 def _patch_attention(patches, report, block, path) -> None:
@@ -196,24 +223,53 @@ def _patch_attention(patches, report, block, path) -> None:
                                "qk_norm_rope_, norm_scale_shift (rms)")
 
 
-def patch(model, patches: list, report) -> None:
+_QKV = ("to_q", "to_k", "to_v")
+_ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
+
+
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches the double and single blocks; with ``fp8_dtype`` their Linears run FP8, a double
+    block's fed FP8 rows by its norms where every one of them is patched, its processor is
+    ditops' and all the Linears they feed became FP8."""
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
         _patch_attention(patches, report, block, path)
+        norms = (_ditops_forward(block, False) is not None
+                 and all(_norm_supported(getattr(block, name), AdaLayerNormZero) for name in ("norm1", "norm1_context"))
+                 and all(patching.plain_layer_norm(getattr(block, name)) for name in _NORM2S))
+        fp8 = fp8_dtype is not None and norms and _quantize_double_block(block, path, patches, report, fp8_dtype)
+        suffix = "_fp8" if fp8 else ""
         for name in ("norm1", "norm1_context"):
-            _patch_norm(patches, report, block, path, name, AdaLayerNormZero, flux._ada_layer_norm_zero_forward)
-        forward = _ditops_forward(block)
+            _patch_norm(patches, report, block, path, name, AdaLayerNormZero,
+                        flux._forward(flux._ada_layer_norm_zero_forward, fp8), "norm_scale_shift" + suffix)
+        forward = _ditops_forward(block, fp8)
         if forward is None:
             report.skipped.append(f"{path}: {type(block).__name__} has another forward than HunyuanVideo's double "
                                   "block; its norm2s stay as diffusers wrote them")
         elif not all(patching.plain_layer_norm(getattr(block, name)) for name in _NORM2S):
             report.skipped.append(f"{path}: norm2/norm2_context with affine parameters or of another type")
         elif patching.replace_forward(patches, report, block, path, forward):
-            report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift"))
+            report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
     for index, block in enumerate(getattr(model, "single_transformer_blocks", None) or []):
         path = f"single_transformer_blocks.{index}"
         _patch_attention(patches, report, block, path)
         _patch_norm(patches, report, block, path, "norm", AdaLayerNormZeroSingle,
                     flux._ada_layer_norm_zero_single_forward)
+        if fp8_dtype is not None:
+            report.skipped.append(f"{path}.norm: gives bf16 (diffusers' single block slices its output into video "
+                                  "and text rows for the attention)")
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)
+
+
+def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the block's norms feed -> FP8 (q/k/v of both streams, both MLPs, with the
+    MLPs' GELU + quantisation fused); True where the norms may give them FP8 rows."""
+    if not isinstance(block.attn.processor, HunyuanVideoQKNormRopeProcessor):
+        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+        return False
+    projections = quantize.fed(block.attn, _QKV + _ADDED_QKV, f"{path}.attn")
+    feed_forwards = {f"{path}.{name}": getattr(block, name) for name in ("ff", "ff_context")}
+    return quantize.replace_fed_with_feed_forwards(patches, report, projections, feed_forwards, fp8_dtype, path)
