@@ -264,7 +264,8 @@ def _in_dtype(build):
 FLUX_LIKE = {name: _in_dtype(entry[0]) for name, entry in coverage.FLUX_LIKE.items()}
 TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3),
         **FLUX_LIKE, "flux2": _in_dtype(coverage.tiny_flux2), "hunyuan-video": _in_dtype(coverage.tiny_hunyuan_video),
-        "hunyuan-video-1.5": _in_dtype(coverage.tiny_hunyuan_video15)}
+        "hunyuan-video-1.5": _in_dtype(coverage.tiny_hunyuan_video15), "sd3": _in_dtype(coverage.tiny_sd3),
+        "sd3.5": _in_dtype(lambda: coverage.tiny_sd3(sd35=True))}
 
 
 def _state(model) -> dict:
@@ -363,10 +364,17 @@ def test_hunyuan_video_double_block_norms_feed_their_projections_fp8_rows(name, 
         assert any(entry.startswith("single_transformer_blocks.0.norm: gives bf16") for entry in report.skipped)
 
 
-@pytest.mark.parametrize("name", ["hunyuan-video", "hunyuan-video-1.5"])
-def test_compiled_fp8_hunyuan_video_double_block_is_one_graph_and_matches_eager(name):
-    """A double block with FP8 norms under torch.compile(fullgraph=True) (the whole model has
-    graph breaks of diffusers' own: 1.5's, without ditops, two)."""
+FP8_BLOCK_OPS = {"hunyuan-video": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8", "qk_norm_rope_"),
+                 "hunyuan-video-1.5": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8",
+                                       "qk_norm_rope_"),
+                 "sd3.5": ("residual_norm_scale_shift_fp8", "quantize_fp8", "norm_scale_shift")}
+
+
+@pytest.mark.parametrize("name", FP8_BLOCK_OPS)
+def test_compiled_fp8_block_is_one_graph_and_matches_eager(name):
+    """A block with FP8 norms under torch.compile(fullgraph=True), where the whole model has
+    graph breaks of diffusers' own (HunyuanVideo 1.5's, without ditops, two) or is tested as
+    blocks (SD3.5)."""
     model, inputs, _ = TINY[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
     block = model.transformer_blocks[0]
@@ -375,12 +383,28 @@ def test_compiled_fp8_hunyuan_video_double_block_is_one_graph_and_matches_eager(
         torch._dynamo.reset()
         explained = torch._dynamo.explain(block)(*arguments, **keywords)
         assert explained.graph_break_count == 0 and len(explained.graphs) == 1
-        for op in ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8", "qk_norm_rope_"):
-            assert f"torch.ops.ditops.{op}" in explained.graphs[0].code, op
+        for op in FP8_BLOCK_OPS[name]:
+            assert f"torch.ops.ditops.{op}(" in explained.graphs[0].code, op
         eager = block(*arguments, **keywords)
         compiled = torch.compile(block, fullgraph=True)(*arguments, **keywords)
     for got, want in zip(compiled, eager):
         assert (got.float() - want.float()).norm() / want.float().norm() < 0.05
+
+
+@pytest.mark.parametrize("name", ["sd3", "sd3.5"])
+def test_sd3_residual_norms_feed_the_mlps_fp8_rows(name, monkeypatch):
+    """Each residual norm feeds its GELU MLP FP8 rows (GELU + quantisation one quantize_fp8); the
+    attentions take bf16 and their projections quantise their own input."""
+    model, inputs, _ = TINY[name](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    # block 0: image and text streams; block 1 (its text stream ends): the image stream
+    assert calls.count("residual_norm_scale_shift_fp8") == 3 and "norm_scale_shift_fp8" not in calls
+    kinds = dict(report.linears)
+    assert "own input" not in kinds["transformer_blocks.0.ff.net.0.proj"]
+    assert "own input" not in kinds["transformer_blocks.0.ff_context.net.2"]
+    assert "own input" in kinds["transformer_blocks.0.attn.to_q"]
 
 
 # FP8 rows from the norms, per double block (2 norms, 2 residual norms) and single block (its

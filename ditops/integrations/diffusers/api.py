@@ -33,7 +33,7 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
 
 
 _FUSED_FP8 = {flux.patch, qwen_image.patch, wan.patch, z_image.patch, chroma.patch, flux_clones.patch, flux2.patch,
-              hunyuan_video.patch}  # families whose norms give FP8 rows to their projections (the others' Linears quantise their input)
+              hunyuan_video.patch, sd3.patch}  # families whose norms give FP8 rows to their projections (the others' Linears quantise their input)
 QUANTIZE = (None, "fp8")
 
 
@@ -45,7 +45,7 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
     ``quantize="fp8"``: every Linear runs as an FP8 GEMM (quantize.py: the FP8 weights stay on
     the model's device, the bf16 Linears wait in host memory for ``remove``), fed FP8 rows by
     the norms where the family's module does so (FLUX.1 and its copies, Chroma, FLUX.2, the HunyuanVideo
-    family's double blocks, Qwen-Image, Wan, Z-Image), else quantising its own input; the
+    family's double blocks, SD3's MLPs, Qwen-Image, Wan, Z-Image), else quantising its own input; the
     report lists every Linear and how it runs. A ValueError where the model's device has no
     FP8 GEMM (registry.yaml's fp8_formats)."""
     if quantize not in QUANTIZE:

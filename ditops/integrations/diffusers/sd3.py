@@ -10,6 +10,11 @@
 - SD3.5's per-head q/k RMSNorms (``qk_norm="rms_norm"``, diffusers' RMSNorm over head_dim, text
   and image weights apart) -> ``norm_scale_shift`` (norm="rms", no modulation) on the [B, S*H, Dh]
   view of each projection. SD3 has no q/k norm and no RoPE: its attention stays as it is.
+
+With ``quantize="fp8"`` (quantize.py) the residual norms give FP8 rows
+(``residual_norm_scale_shift_fp8``) to the GELU MLPs, whose GELU and quantisation are one
+``quantize_fp8``; the AdaLN norms feed the attentions bf16 (SD3's attention is diffusers'
+processor, which takes tensors) and the projections quantise their own input.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from . import flux, patching
+from . import flux, patching, quantize
 
 
 def _ada_layer_norm_zero_x_forward(self, hidden_states, emb=None):
@@ -41,14 +46,22 @@ def _ada_layer_norm_continuous_forward(self, x, conditioning_embedding):
     return ops.norm_scale_shift(x, scale, shift, eps=self.norm.eps)
 
 
-def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
-    """diffusers' JointTransformerBlock with each "residual + gate * attention, then norm2 and its
-    modulation" as one residual_norm_scale_shift. With dual attention the first attention's
-    gated add stays a torch add and the second's is fused. Chunked feed-forward
-    (``set_chunk_feed_forward``) runs diffusers' code."""
-    if self._chunk_size is not None or patching.hooked(self, ("norm2",) if self.context_pre_only
-                                                       else ("norm2", "norm2_context")):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+def _joint_block_forward_of(residual_norm):
+    def forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
+        """diffusers' JointTransformerBlock with each "residual + gate * attention, then norm2
+        and its modulation" as one ``residual_norm`` (flux.py's: a tensor, or FP8 rows for the
+        MLP). With dual attention the first attention's gated add stays a torch add and the
+        second's is fused. Chunked feed-forward (``set_chunk_feed_forward``) runs diffusers' code."""
+        if self._chunk_size is not None or patching.hooked(self, ("norm2",) if self.context_pre_only
+                                                           else ("norm2", "norm2_context")):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+        return _joint_block(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs, residual_norm)
+
+    return forward
+
+
+def _joint_block(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs, residual_norm):
+    """diffusers' JointTransformerBlock after the checks of _joint_block_forward_of's forward."""
     joint_attention_kwargs = joint_attention_kwargs or {}
     if self.use_dual_attention:
         norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = self.norm1(
@@ -66,17 +79,20 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
         hidden_states = hidden_states + gate_msa.unsqueeze(1) * attention
         attention, gate_msa = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs), gate_msa2
 
-    norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
-        attention, hidden_states, gate_msa, scale_mlp, shift_mlp, eps=self.norm2.eps)
+    norm_hidden_states, hidden_states = residual_norm(attention, hidden_states, gate_msa, scale_mlp, shift_mlp,
+                                                      self.norm2.eps)
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden_states)
     if self.context_pre_only:
         return None, hidden_states
 
-    norm_context, encoder_hidden_states = ops.residual_norm_scale_shift(
-        context_attention, encoder_hidden_states, context_gate_msa, context_scale_mlp, context_shift_mlp,
-        eps=self.norm2_context.eps)
+    norm_context, encoder_hidden_states = residual_norm(context_attention, encoder_hidden_states, context_gate_msa,
+                                                        context_scale_mlp, context_shift_mlp, self.norm2_context.eps)
     encoder_hidden_states = encoder_hidden_states + context_gate_mlp.unsqueeze(1) * self.ff_context(norm_context)
     return encoder_hidden_states, hidden_states
+
+
+_JOINT_BLOCK_FORWARDS = {False: _joint_block_forward_of(flux._residual_norm),
+                         True: _joint_block_forward_of(flux._residual_norm_fp8)}
 
 
 def _heads(x, heads):
@@ -148,7 +164,9 @@ def _block_supported(block) -> bool:
             and patching.plain_layer_norm(block.norm1_context.norm) and all(map(patching.plain_layer_norm, norm2s)))
 
 
-def patch(model, patches: list, report) -> None:
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches the joint blocks; with ``fp8_dtype`` their Linears run FP8, the MLPs fed FP8 rows
+    by the residual norms where both of a block's MLPs became FP8."""
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
         if not _block_supported(block):
@@ -160,9 +178,13 @@ def patch(model, patches: list, report) -> None:
             for name, forward in (("norm1", norm1), ("norm1_context", context_norm1)):
                 if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}", forward):
                     report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
-            if patching.replace_forward(patches, report, block, path, _joint_block_forward):
+            feed_forwards = {f"{path}.{name}": getattr(block, name)
+                             for name in (("ff",) if block.context_pre_only else ("ff", "ff_context"))}
+            fp8 = fp8_dtype is not None and quantize.replace_fed_with_feed_forwards(patches, report, [], feed_forwards,
+                                                                                    fp8_dtype, path)
+            if patching.replace_forward(patches, report, block, path, _JOINT_BLOCK_FORWARDS[fp8]):
                 norm2s = f"{path}.norm2" + ("" if block.context_pre_only else f", {path}.norm2_context")
-                report.replaced.append((norm2s, "residual_norm_scale_shift"))
+                report.replaced.append((norm2s, "residual_norm_scale_shift" + ("_fp8" if fp8 else "")))
         for name in ("attn", "attn2"):
             attention = getattr(block, name)
             if attention is None:
@@ -172,3 +194,5 @@ def patch(model, patches: list, report) -> None:
                 continue
             patching.replace_processor(patches, report, attention, f"{path}.{name}", _attention_supported(attention),
                                        SD3QKNormProcessor, "norm_scale_shift (rms)")
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)
