@@ -236,10 +236,11 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
         _patch_attention(patches, report, block, path)
-        norms = (_ditops_forward(block, False) is not None
-                 and all(_norm_supported(getattr(block, name), AdaLayerNormZero) for name in ("norm1", "norm1_context"))
-                 and all(patching.plain_layer_norm(getattr(block, name)) for name in _NORM2S))
-        fp8 = fp8_dtype is not None and norms and _quantize_double_block(block, path, patches, report, fp8_dtype)
+        plain_norm2s = all(patching.plain_layer_norm(getattr(block, name)) for name in _NORM2S)
+        every_norm_patched = (_ditops_forward(block, False) is not None and plain_norm2s and all(
+            _norm_supported(getattr(block, name), AdaLayerNormZero) for name in ("norm1", "norm1_context")))
+        fp8 = (fp8_dtype is not None and every_norm_patched
+               and _quantize_double_block(block, path, patches, report, fp8_dtype))
         suffix = "_fp8" if fp8 else ""
         for name in ("norm1", "norm1_context"):
             _patch_norm(patches, report, block, path, name, AdaLayerNormZero,
@@ -248,7 +249,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         if forward is None:
             report.skipped.append(f"{path}: {type(block).__name__} has another forward than HunyuanVideo's double "
                                   "block; its norm2s stay as diffusers wrote them")
-        elif not all(patching.plain_layer_norm(getattr(block, name)) for name in _NORM2S):
+        elif not plain_norm2s:
             report.skipped.append(f"{path}: norm2/norm2_context with affine parameters or of another type")
         elif patching.replace_forward(patches, report, block, path, forward):
             report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
