@@ -8,7 +8,6 @@ tensor <= 1e-5), the report counts the sites replaced, the ops run where the rep
 alone and named in the report.
 """
 
-import inspect
 import warnings
 
 import pytest
@@ -630,21 +629,10 @@ def test_hunyuan_like_blocks_trace_as_one_graph(name):
     model, inputs = HUNYUAN_LIKE[name][0]()
     integration.apply(model)
     blocks = [model.transformer_blocks[0]] + list(getattr(model, "single_transformer_blocks", [])[:1])
-    captured = block_arguments(model, inputs, blocks)
     for block in blocks:
         ops = ("norm_scale_shift", "qk_norm_rope_") + (("residual_norm_scale_shift",) if block is blocks[0] else ())
-        assert_traces_as_one_graph(block, captured[block], ops)
-
-
-def block_arguments(model, inputs, blocks) -> dict:
-    """The positional arguments each of `blocks` gets in one forward of the model."""
-    captured = {}
-    handles = [block.register_forward_pre_hook(lambda module, args: captured.setdefault(module, args))
-               for block in blocks]
-    run(model, inputs)
-    for handle in handles:
-        handle.remove()
-    return captured
+        arguments, keywords = block_call(model, inputs, block)
+        assert_traces_as_one_graph(block, arguments, ops, keywords)
 
 
 def assert_traces_as_one_graph(block, arguments, ops, keywords=None) -> None:
@@ -700,7 +688,8 @@ def test_lumina2_block_traces_as_one_graph():
     model, inputs = tiny_lumina2()
     integration.apply(model)
     block = model.layers[0]
-    assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], LUMINA2_OPS)
+    arguments, keywords = block_call(model, inputs, block)
+    assert_traces_as_one_graph(block, arguments, LUMINA2_OPS, keywords)
 
 
 # ----- Cosmos ------------------------------------------------------------------------------------
@@ -755,7 +744,8 @@ def test_cosmos_block_traces_as_one_graph(name):
     model, inputs = COSMOS_LIKE[name]()
     integration.apply(model)
     block = model.transformer_blocks[0]
-    assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], COSMOS_OPS)
+    arguments, keywords = block_call(model, inputs, block)
+    assert_traces_as_one_graph(block, arguments, COSMOS_OPS, keywords)
 
 
 # ----- Kandinsky 5 -------------------------------------------------------------------------------
@@ -804,7 +794,8 @@ def test_kandinsky5_block_traces_as_one_graph(blocks):
     model, inputs = tiny_kandinsky5()
     integration.apply(model)
     block = getattr(model, blocks)[0]
-    assert_traces_as_one_graph(block, block_arguments(model, inputs, [block])[block], KANDINSKY5_OPS)
+    arguments, keywords = block_call(model, inputs, block)
+    assert_traces_as_one_graph(block, arguments, KANDINSKY5_OPS, keywords)
 
 
 # ----- HiDream-I1 -------------------------------------------------------------------------------
@@ -849,12 +840,8 @@ def test_hidream_block_traces_as_one_graph(blocks):
     model, inputs = tiny_hidream(experts=0)
     integration.apply(model)
     block = getattr(model, blocks)[0]
-    captured = {}
-    handle = block.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
-    run(model, inputs)  # the model calls its blocks with keywords
-    handle.remove()
-    arguments = tuple(captured[name] for name in inspect.signature(block.forward).parameters)
-    assert_traces_as_one_graph(block, arguments, HIDREAM_OPS)
+    arguments, keywords = block_call(model, inputs, block)  # the model calls its blocks with keywords
+    assert_traces_as_one_graph(block, arguments, HIDREAM_OPS, keywords)
 
 
 # ----- LTX-Video and LTX-2 ---------------------------------------------------------------------
@@ -958,16 +945,6 @@ def test_ltx2_isolated_modalities_stg_and_a_self_attention_mask_match_diffusers(
     assert sorted(calls) == sorted((["rope_"] + ["norm_scale_shift"] * 2 * 2 + ["residual_norm_scale_shift"] * 4 * 2) * 2)
 
 
-def keyword_block_arguments(model, inputs, block) -> tuple:
-    """The arguments `block` gets in one forward of the model (which calls it with keywords), in
-    the order of its forward's parameters."""
-    captured = {}
-    handle = block.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
-    run(model, inputs)
-    handle.remove()
-    return tuple(captured[name] for name in inspect.signature(block.forward).parameters)
-
-
 @pytest.mark.parametrize("name", LTX_LIKE)
 def test_ltx_like_block_traces_as_one_graph(name):
     """The norms are the graph's ditops nodes; the RoPE is diffusers' there (ltx2.py says why)."""
@@ -975,10 +952,10 @@ def test_ltx_like_block_traces_as_one_graph(name):
     model, inputs = build()
     integration.apply(model)
     block = model.transformer_blocks[0]
-    arguments = keyword_block_arguments(model, inputs, block)
-    assert_traces_as_one_graph(block, arguments, LTX_OPS - {"rope_"})
+    arguments, keywords = block_call(model, inputs, block)
+    assert_traces_as_one_graph(block, arguments, LTX_OPS - {"rope_"}, keywords)
     torch._dynamo.reset()
-    assert "torch.ops.ditops.rope_" not in torch._dynamo.explain(block)(*arguments).graphs[0].code
+    assert "torch.ops.ditops.rope_" not in torch._dynamo.explain(block)(*arguments, **keywords).graphs[0].code
 
 
 # ----- bfloat16: every family above within the documented bound ----------------------------------
