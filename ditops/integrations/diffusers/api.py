@@ -3,6 +3,7 @@ bookkeeping that lets ``remove`` undo exactly what ``apply`` did."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Optional
 
@@ -32,8 +33,6 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
              "LTXVideoTransformer3DModel": ltx2.patch}
 
 
-_FUSED_FP8 = {flux.patch, qwen_image.patch, wan.patch, z_image.patch, chroma.patch, flux_clones.patch, flux2.patch,
-              hunyuan_video.patch, sd3.patch}  # families whose norms give FP8 rows to their projections (the others' Linears quantise their input)
 QUANTIZE = (None, "fp8")
 
 
@@ -65,7 +64,7 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
         return _untouched(model, f"{name}: not a supported model ({', '.join(_PATCHERS)})")
     fp8_dtype = check_device(next(model.parameters()).device) if quantize == "fp8" else None
     patches, report = [], Report()
-    if fp8_dtype is not None and patcher in _FUSED_FP8:
+    if fp8_dtype is not None and _feeds_fp8_rows(patcher):
         patcher(model, patches, report, fp8_dtype=fp8_dtype)
     else:
         patcher(model, patches, report)
@@ -82,6 +81,13 @@ def remove(model: torch.nn.Module) -> None:
     for attribute in ("_ditops_patches", "_ditops_report", "_ditops_quantize"):
         if hasattr(model, attribute):
             delattr(model, attribute)
+
+
+def _feeds_fp8_rows(patcher) -> bool:
+    """Whether a family's norms give FP8 rows to its projections: its ``patch`` takes
+    ``fp8_dtype`` (and then replaces the rest of the model's Linears itself); the other families'
+    Linears quantise their own input."""
+    return "fp8_dtype" in inspect.signature(patcher).parameters
 
 
 def _untouched(model, reason: str) -> Report:
