@@ -819,6 +819,10 @@ QUANTIZE_SPECS = {
     # a prefix: FLUX's single block (attention output, then its GELU MLP hidden state), widths
     # the cuda/rocm kernels take (P and D multiples of 8) and odd ones they refuse
     "flux-single-block-prefix": RowSpec(1, 6, 12288, activation="gelu_tanh", prefix=3072),
+    # FLUX.2: the SwiGLU output, and the single block's attention + SwiGLU output, rows wider
+    # than the other row kernels take (Triton's alone)
+    "flux2-mlp-out": RowSpec(1, 5, 18432),
+    "flux2-single-block-prefix": RowSpec(1, 4, 18432, prefix=6144),
     "prefix-odd-p333": RowSpec(2, 7, 1000, activation="gelu_tanh", prefix=333),
     "prefix-odd-d203": RowSpec(2, 5, 203, prefix=64),
     "prefix-strided": RowSpec(2, 6, 512, layout="strided", activation="gelu_tanh", prefix=256),
@@ -1103,6 +1107,8 @@ _QUANTIZE_BENCH = (
                                                                                      activation="gelu_tanh")),
     BenchShape("FLUX.1-dev 1024px single block (attention + MLP GELU)", f"B1 S{_JOINT} P3072 D12288",
                dataclasses.replace(_rows(1, _JOINT, 12288), activation="gelu_tanh", prefix=3072)),
+    BenchShape("FLUX.2-dev 1024px single block (attention + SwiGLU)", f"B1 S{_JOINT} P6144 D18432",
+               dataclasses.replace(_rows(1, _JOINT, 18432), prefix=6144)),
     BenchShape("latency", "B1 S128 D3072", _rows(1, 128, 3072), quick=True),
 )
 

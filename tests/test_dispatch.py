@@ -561,18 +561,18 @@ def test_the_rope_preference_holds_for_the_measured_layout_and_head_sizes(name, 
 @pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
 @pytest.mark.parametrize("op", [op for op in dispatch.OPS if SPECS[op].quantized])
 def test_fp8_ops_run_triton_on_nvidia_and_cuda_only_where_measured_faster_in_eager_calls(op, name):
-    """triton first for the FP8 ops on NVIDIA (registry.yaml); cuda for quantize_fp8's rows wider
-    than 12288 and the H200's residual_norm_scale_shift_fp8, in eager calls only: a compiled graph launches Triton's kernel
-    itself, where cuda would be a library op that costs host time every call. A forced backend
-    is obeyed there too."""
+    """triton first for the FP8 ops on NVIDIA (registry.yaml); cuda for the H100's quantize_fp8
+    rows wider than 12288 and the H200's residual_norm_scale_shift_fp8 at D 2049-4096, in eager
+    calls only: a compiled graph launches Triton's kernel itself, where cuda would be a library op
+    that costs host time every call. A forced backend is obeyed there too."""
     if CUDA_REFUSAL:
         pytest.skip(CUDA_REFUSAL)
     for hidden in (3072, 12288, 13824):
         for tokens in (16, 333):  # never by token count
             arguments = example_arguments(op, (1, tokens, hidden), torch.bfloat16, param_dtype=torch.bfloat16)
             with _named("sm_90", name):
-                preferred = ((op == "quantize_fp8" and hidden > 12288)
-                             or (op == "residual_norm_scale_shift_fp8" and "H200" in name))
+                preferred = ((op == "quantize_fp8" and hidden > 12288 and "H100" in name)
+                             or (op == "residual_norm_scale_shift_fp8" and "H200" in name and hidden <= 4096))
                 assert ditops.explain(op, **arguments).selected == ("cuda" if preferred else "triton"), hidden
                 traced = ditops.explain(op, **arguments, compiled=True)
                 assert traced.selected == "triton"

@@ -117,7 +117,7 @@ def test_the_kernels_take_a_prefix_by_its_width_and_x_s():
     """cuda and rocm move a row in chunks of 8 values: P and D must each be a multiple of 8, so
     that no chunk straddles the two parts (Triton takes any widths); P + D is the row's width
     for every kernel's size limit."""
-    x = torch.randn(4, 1000, dtype=torch.bfloat16)
+    x = torch.randn(4, 1000, dtype=torch.bfloat16)  # refusals(P, D) reads x[:, :D]
     backends = dispatch.dispatcher().registry.backends
     for arch, backend in (("sm_90", "cuda"), ("gfx942", "rocm")):
         if backends[backend].refusal(dispatch.parse_arch(arch)):  # not installed here (hip-python): refused for that
@@ -133,10 +133,9 @@ def test_the_kernels_take_a_prefix_by_its_width_and_x_s():
             assert "needs P and D to be multiples of 8, got P=333, D=1000" in refusals(333)[backend]
             assert "got P=64, D=999" in refusals(64, 999)[backend]
             assert refusals(333)["triton"] is None and refusals(3072)["triton"] is None
-            too_wide = torch.randn(4, 16384, dtype=torch.bfloat16)
-            wide = ditops.explain("quantize_fp8", x[:, :8], prefix=too_wide, fp8_dtype=fp8_dtype)
-            assert {row.backend: row.refusal for row in wide.candidates}["triton"] == (
-                "supports P + D <= 16384, got P + D = 16384 + 8")
+            wide = refusals(16384, 8)  # Triton's rows go to 32768 (FLUX.2's), the compiled kernels' to 16384
+            assert wide["triton"] is None and "supports P + D <= 16384, got P + D = 16384 + 8" in wide[backend]
+            assert refusals(32768, 8)["triton"] == "supports P + D <= 32768, got P + D = 32768 + 8"
 
 
 def test_the_format_defaults_to_the_devices():
