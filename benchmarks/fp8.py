@@ -9,7 +9,8 @@ from one seed and fed the same inputs: diffusers as is (bf16), torchao's
 ``torchao_ms``, ``ditops_ms``; bf16 in the same mode), their ratios, each FP8 output's relative
 L2 error against diffusers' bf16 eager output, the first call's time of each compiled FP8 model
 (``compile_s_*``, compile caches emptied before) and the bytes of the blocks' weights on the
-GPU. A time is the median of ``--rounds`` rounds, the three ways taking turns going first; a
+GPU, as built and at the released model's depth (``weight_bytes_full_depth_*``: the blocks
+a built model lacks counted as its first block's). A time is the median of ``--rounds`` rounds, the three ways taking turns going first; a
 round is the median of 5 CUDA-event timings after warm-up.
 
 Writes benchmarks/results/fp8_<GPU>_<date>.json: {"device", "rows": [...]}.
@@ -64,6 +65,13 @@ def _weight_bytes(model) -> int:
     return sum(storages.values())
 
 
+def _full_depth_bytes(model, name: str) -> int:
+    """The bytes of the released model's weights (models.DEPTH): the built model's, and for
+    each block a list lacks, those of the list's first block (the blocks of a list are alike)."""
+    return _weight_bytes(model) + sum((count - len(getattr(model, blocks))) * _weight_bytes(getattr(model, blocks)[0])
+                                      for blocks, count in models.DEPTH[name].items())
+
+
 def _first_call_s(function, way: str, mode: str) -> float:
     """The first call's seconds, Triton's kernel cache a new folder per way and mode (Inductor's
     caches are off for the whole run: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, set at the top)."""
@@ -89,6 +97,7 @@ def measure(name: str, resolution, modes: list, blocks: int, rounds: int, ways: 
         built[way], steps[way] = model, prepare(model)
         print(f"  built {name} {resolution} {way}", flush=True)
     weight_bytes = {way: _weight_bytes(built[way]) for way in WAYS}
+    full_depth_bytes = {way: _full_depth_bytes(built[way], name) for way in WAYS}
     samples, outputs, first_call = {}, {}, {}
     for mode in modes:
         forwards = {}
@@ -117,16 +126,25 @@ def measure(name: str, resolution, modes: list, blocks: int, rounds: int, ways: 
                    rel_err_ditops=error["ditops"], rel_err_torchao=error["torchao"], rel_err_bf16=error["bf16"],
                    weight_bytes_bf16=weight_bytes["bf16"], weight_bytes_ditops=weight_bytes["ditops"],
                    weight_bytes_torchao=weight_bytes["torchao"],
+                   **{f"weight_bytes_full_depth_{way}": full_depth_bytes[way] for way in WAYS},
                    rounds_ms={way: samples[way, mode] for way in ways})
         if mode != "eager":
             row.update({f"compile_s_{way}": first_call.get((way, mode)) for way in WAYS})
         yield row
 
 
+def weights(row: dict) -> str:
+    """The ditops weights' bytes over bf16's, as built and, where the row has them, at full depth."""
+    built = f"{row['weight_bytes_ditops'] / row['weight_bytes_bf16']:.2f}"
+    if "weight_bytes_full_depth_ditops" not in row:
+        return built
+    return f"{built} ({row['weight_bytes_full_depth_ditops'] / row['weight_bytes_full_depth_bf16']:.2f})"
+
+
 def table(path: Path) -> str:
     """The README's table of a results file."""
     lines = ["| model | resolution | mode | bf16 (ms) | torchao FP8 (ms) | ditops FP8 (ms) | vs bf16 | vs torchao "
-             "| rel_err ditops (torchao) | first call s, ditops (torchao) | weights vs bf16 |",
+             "| rel_err ditops (torchao) | first call s, ditops (torchao) | weights vs bf16, as built (full depth) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     def shown(value, form: str) -> str:  # a way left out of the run: "-"
         return "-" if value is None else format(value, form)
@@ -138,7 +156,7 @@ def table(path: Path) -> str:
             f"| {row['model']} | {row['resolution']} | {row['mode']} | {shown(row['bf16_ms'], '.2f')} | "
             f"{shown(row['torchao_ms'], '.2f')} | {row['ditops_ms']:.2f} | {shown(row['speedup_vs_bf16'], '.3f')}x | "
             f"{shown(row['speedup_vs_torchao'], '.3f')}x | {shown(row['rel_err_ditops'], '.1e')} "
-            f"({shown(row['rel_err_torchao'], '.1e')}) | {first} | {row['weight_bytes_ditops'] / row['weight_bytes_bf16']:.2f} |")
+            f"({shown(row['rel_err_torchao'], '.1e')}) | {first} | {weights(row)} |")
     return "\n".join(lines)
 
 

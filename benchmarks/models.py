@@ -253,6 +253,13 @@ def sd35(image: int = 4096, text: int = 77 + 256):
 
 MODELS = {"flux": flux, "wan": wan, "qwen-image": qwen_image, "z-image": z_image, "flux2": flux2,
           "hunyuan-video-1.5": hunyuan_video_15, "ltx-2": ltx2, "sd3.5": sd35}
+# the released model's blocks per block list (built here with one or two), for the weights' bytes at
+# full depth: FLUX.1, Wan2.1 1.3B, Qwen-Image, Z-Image, FLUX.2 dev, HunyuanVideo 1.5, LTX-2, SD3.5 Large
+DEPTH = {"flux": {"transformer_blocks": 19, "single_transformer_blocks": 38}, "wan": {"blocks": 30},
+         "qwen-image": {"transformer_blocks": 60}, "z-image": {"layers": 30, "noise_refiner": 2, "context_refiner": 2},
+         "flux2": {"transformer_blocks": 8, "single_transformer_blocks": 48},
+         "hunyuan-video-1.5": {"transformer_blocks": 54}, "ltx-2": {"transformer_blocks": 48},
+         "sd3.5": {"transformer_blocks": 38}}
 RESOLUTIONS = {"flux": (512, 1024), "wan": ("480p",), "qwen-image": (1024,), "z-image": (1024,), "flux2": (1024,),
                "hunyuan-video-1.5": ("480p",), "ltx-2": ("512x768",), "sd3.5": (1024,)}
 
