@@ -264,7 +264,10 @@ FLUX_LIKE = {name: _in_dtype(entry[0]) for name, entry in coverage.FLUX_LIKE.ite
 TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3),
         **FLUX_LIKE, "flux2": _in_dtype(coverage.tiny_flux2), "hunyuan-video": _in_dtype(coverage.tiny_hunyuan_video),
         "hunyuan-video-1.5": _in_dtype(coverage.tiny_hunyuan_video15), "sd3": _in_dtype(coverage.tiny_sd3),
-        "sd3.5": _in_dtype(lambda: coverage.tiny_sd3(sd35=True))}
+        "sd3.5": _in_dtype(lambda: coverage.tiny_sd3(sd35=True)), "lumina2": _in_dtype(coverage.tiny_lumina2),
+        "cosmos": _in_dtype(coverage.tiny_cosmos), "kandinsky5": _in_dtype(coverage.tiny_kandinsky5),
+        "hidream": _in_dtype(coverage.tiny_hidream), "ltx-video": _in_dtype(coverage.tiny_ltx),
+        "ltx-2": _in_dtype(coverage.tiny_ltx2)}
 
 
 def _state(model) -> dict:
