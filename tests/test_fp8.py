@@ -369,17 +369,18 @@ def test_hunyuan_video_double_block_norms_feed_their_projections_fp8_rows(name, 
 FP8_BLOCK_OPS = {"hunyuan-video": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8", "qk_norm_rope_"),
                  "hunyuan-video-1.5": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8",
                                        "qk_norm_rope_"),
-                 "sd3.5": ("residual_norm_scale_shift_fp8", "quantize_fp8", "norm_scale_shift")}
+                 "sd3.5": ("residual_norm_scale_shift_fp8", "quantize_fp8", "norm_scale_shift"),
+                 "lumina2": ("norm_scale_shift_fp8", "add_gate_norm_scale_fp8", "qk_norm_rope_", "add_gate_norm")}
 
 
 @pytest.mark.parametrize("name", FP8_BLOCK_OPS)
 def test_compiled_fp8_block_is_one_graph_and_matches_eager(name):
     """A block with FP8 norms under torch.compile(fullgraph=True), where the whole model has
     graph breaks of diffusers' own (HunyuanVideo 1.5's, without ditops, two) or is tested as
-    blocks (SD3.5)."""
+    blocks (SD3.5, Lumina2)."""
     model, inputs, _ = TINY[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
-    block = model.transformer_blocks[0]
+    block = model.layers[0] if name == "lumina2" else model.transformer_blocks[0]
     arguments, keywords = coverage.block_call(model, inputs, block)
     with torch.no_grad():
         torch._dynamo.reset()
@@ -551,6 +552,25 @@ def test_z_image_norms_feed_attention_and_ffn_fp8_rows(monkeypatch):
     fed = [path for path, kind in report.linears if kind.startswith("fp8") and "own input" not in kind]
     assert "layers.0.attention.to_q" in fed and "layers.0.feed_forward.w3" in fed
     assert "layers.0.feed_forward.w2" not in fed  # its input is the SiLU gating, no op's output
+
+
+def test_lumina2_norms_feed_attention_and_ffn_fp8_rows(monkeypatch):
+    """As Z-Image's: the modulated blocks' (noise refiner, layers) first norm feeds q/k/v, the
+    gated norm the SwiGLU FFN's linear_1 and linear_3; the context refiner (no modulation) and
+    linear_2 (the SiLU gating's product) quantise their own input."""
+    model, inputs, _ = TINY["lumina2"](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    fused = [path for path, op in report.replaced if op == "norm_scale_shift_fp8"]
+    assert fused == ["noise_refiner.0.norm1", "layers.0.norm1", "layers.1.norm1"]
+    run(model, inputs)
+    assert calls.count("norm_scale_shift_fp8") == calls.count("add_gate_norm_scale_fp8") == len(fused)
+    kinds = dict(report.linears)
+    for block in ("noise_refiner.0", "layers.1"):
+        for linear in ("attn.to_q", "attn.to_v", "feed_forward.linear_1", "feed_forward.linear_3"):
+            assert "own input" not in kinds[f"{block}.{linear}"], (block, linear)
+        assert "own input" in kinds[f"{block}.feed_forward.linear_2"] and "own input" in kinds[f"{block}.attn.to_out.0"]
+    assert "own input" in kinds["context_refiner.0.attn.to_q"]
 
 
 def test_a_processor_that_defers_to_diffusers_gets_a_tensor_from_fp8_rows():
