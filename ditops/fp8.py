@@ -93,6 +93,8 @@ class Float8Linear(torch.nn.Module):
 
     def forward(self, x) -> Tensor:
         if not isinstance(x, Float8Rows):
+            if x.dim() > 3:  # quantize_fp8 takes [B, S, D] or [N, D]: Kandinsky 5 runs Linears on [B, F, H, W, D]
+                return self.forward(x.reshape(-1, x.shape[-1])).unflatten(0, x.shape[:-1])
             x = Float8Rows(*ops.quantize_fp8(x, fp8_dtype=self.fp8_dtype))
         return linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
 

@@ -701,9 +701,9 @@ def tiny_cosmos(image_context=False):
     """Cosmos 1.0: one timestep per item, a text mask. With image_context (2.5's blocks): the
     image-context cross-attention and per-frame timesteps ([B, S, D] modulation)."""
     model = built(diffusers.CosmosTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=2,
-                  attention_head_dim=12, num_layers=2, text_embed_dim=32, adaln_lora_dim=16, max_size=(8, 16, 16),
+                  attention_head_dim=16, num_layers=2, text_embed_dim=32, adaln_lora_dim=16, max_size=(8, 16, 16),
                   concat_padding_mask=False, img_context_dim_in=16 if image_context else None,
-                  img_context_num_tokens=3, img_context_dim_out=24)
+                  img_context_num_tokens=3, img_context_dim_out=32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "pos_emb" in name:  # diffusers initialises the learnable positions to 0

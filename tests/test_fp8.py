@@ -199,6 +199,17 @@ def test_float8_linear_quantises_a_tensor_itself_and_tracks_the_bf16_linear():
     assert 0 < error < 0.08  # two FP8 roundings of half a step at most (1/16 each)
 
 
+def test_float8_linear_takes_a_tensor_of_any_leading_shape():
+    """Rows of a [B, F, H, W, D] tensor (Kandinsky 5's visual Linears) as of [N, D]: the same values."""
+    linear = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    fp8_linear = Float8Linear(linear, E4M3)
+    x = torch.randn(2, 3, 4, 5, 64, dtype=torch.bfloat16)
+    out = fp8_linear(x)
+    assert out.shape == (2, 3, 4, 5, 32)
+    assert torch.equal(out, fp8_linear(x.reshape(-1, 64)).reshape(2, 3, 4, 5, 32))
+    assert torch.equal(out[1, 2], fp8_linear(x[1, 2]))
+
+
 def test_float8_linear_of_a_concatenation_fed_by_a_prefix_quantisation():
     """FLUX's single-block proj_out: [attention output, GELU(MLP)] quantised by one quantize_fp8,
     never concatenated, gives the Linear of the concatenation."""
@@ -254,6 +265,10 @@ def _in_dtype(build):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
             model = model.to(dtype)
+        kept = getattr(model, "_keep_in_fp32_modules", None) or ()  # as from_pretrained(torch_dtype=...) keeps them
+        for name, parameter in model.named_parameters():
+            if any(module in name.split(".") for module in kept):
+                parameter.data = parameter.data.float()
         return model, {name: value if name.endswith("_ids") else converted(value, dtype)
                        for name, value in inputs.items()}, None
 
