@@ -385,7 +385,9 @@ FP8_BLOCK_OPS = {"hunyuan-video": ("norm_scale_shift_fp8", "residual_norm_scale_
                  "hunyuan-video-1.5": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8",
                                        "qk_norm_rope_"),
                  "sd3.5": ("residual_norm_scale_shift_fp8", "quantize_fp8", "norm_scale_shift"),
-                 "lumina2": ("norm_scale_shift_fp8", "add_gate_norm_scale_fp8", "qk_norm_rope_", "add_gate_norm")}
+                 "lumina2": ("norm_scale_shift_fp8", "add_gate_norm_scale_fp8", "qk_norm_rope_", "add_gate_norm"),
+                 "cosmos": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "residual_norm_scale_shift",
+                            "qk_norm_rope_")}
 
 
 @pytest.mark.parametrize("name", FP8_BLOCK_OPS)
@@ -586,6 +588,24 @@ def test_lumina2_norms_feed_attention_and_ffn_fp8_rows(monkeypatch):
             assert "own input" not in kinds[f"{block}.{linear}"], (block, linear)
         assert "own input" in kinds[f"{block}.feed_forward.linear_2"] and "own input" in kinds[f"{block}.attn.to_out.0"]
     assert "own input" in kinds["context_refiner.0.attn.to_q"]
+
+
+@pytest.mark.parametrize("name", ["cosmos", "cosmos-2.5"])
+def test_cosmos_norm1_and_norm3_feed_the_self_attention_and_ffn_fp8_rows(name, monkeypatch):
+    """norm1 feeds attn1's q/k/v, norm3 the FFN's up projection (exact GELU after it: the down
+    projection quantises its own input); norm2 feeds the cross-attention, diffusers' processor, bf16."""
+    model, inputs, _ = (TINY["cosmos"] if name == "cosmos" else _in_dtype(lambda: coverage.tiny_cosmos(True)))(
+        torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    assert calls.count("norm_scale_shift_fp8") == calls.count("residual_norm_scale_shift_fp8") == 2
+    kinds = dict(report.linears)
+    for linear in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "ff.net.0.proj"):
+        assert "own input" not in kinds[f"transformer_blocks.1.{linear}"], linear
+    for linear in ("attn1.to_out.0", "attn2.to_q", "attn2.to_k", "ff.net.2"):
+        assert "own input" in kinds[f"transformer_blocks.1.{linear}"], linear
+    assert ("transformer_blocks.0.norm2", "residual_norm_scale_shift") in report.replaced
 
 
 def test_a_processor_that_defers_to_diffusers_gets_a_tensor_from_fp8_rows():
