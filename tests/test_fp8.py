@@ -387,17 +387,20 @@ FP8_BLOCK_OPS = {"hunyuan-video": ("norm_scale_shift_fp8", "residual_norm_scale_
                  "sd3.5": ("residual_norm_scale_shift_fp8", "quantize_fp8", "norm_scale_shift"),
                  "lumina2": ("norm_scale_shift_fp8", "add_gate_norm_scale_fp8", "qk_norm_rope_", "add_gate_norm"),
                  "cosmos": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "residual_norm_scale_shift",
-                            "qk_norm_rope_")}
+                            "qk_norm_rope_"),
+                 "kandinsky5": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "residual_norm_scale_shift",
+                                "qk_norm_rope_")}
 
 
 @pytest.mark.parametrize("name", FP8_BLOCK_OPS)
 def test_compiled_fp8_block_is_one_graph_and_matches_eager(name):
     """A block with FP8 norms under torch.compile(fullgraph=True), where the whole model has
     graph breaks of diffusers' own (HunyuanVideo 1.5's, without ditops, two) or is tested as
-    blocks (SD3.5, Lumina2)."""
+    blocks (SD3.5, Lumina2, Kandinsky 5's visual blocks)."""
     model, inputs, _ = TINY[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
-    block = model.layers[0] if name == "lumina2" else model.transformer_blocks[0]
+    block = {"lumina2": lambda: model.layers[0], "kandinsky5": lambda: model.visual_transformer_blocks[0]}.get(
+        name, lambda: model.transformer_blocks[0])()
     arguments, keywords = coverage.block_call(model, inputs, block)
     with torch.no_grad():
         torch._dynamo.reset()
@@ -606,6 +609,30 @@ def test_cosmos_norm1_and_norm3_feed_the_self_attention_and_ffn_fp8_rows(name, m
     for linear in ("attn1.to_out.0", "attn2.to_q", "attn2.to_k", "ff.net.2"):
         assert "own input" in kinds[f"transformer_blocks.1.{linear}"], linear
     assert ("transformer_blocks.0.norm2", "residual_norm_scale_shift") in report.replaced
+
+
+def test_kandinsky5_norms_feed_the_self_attentions_and_ffns_fp8_rows(monkeypatch):
+    """Text and visual blocks: the first norm feeds q/k/v, feed_forward_norm the FFN's in_layer
+    (exact GELU after it: out_layer quantises its own input); the visual blocks'
+    cross_attention_norm feeds diffusers' cross-attention bf16."""
+    model, inputs, _ = TINY["kandinsky5"](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    patched = run(model, inputs)
+    assert calls.count("norm_scale_shift_fp8") == calls.count("residual_norm_scale_shift_fp8") == 4
+    # a hooked q norm sends the call to diffusers' processor, which gets the rows as tensors
+    # (its attention names its projections to_query, not to_q)
+    model.visual_transformer_blocks[0].self_attention.query_norm.register_forward_hook(lambda *_: None)
+    with pytest.warns(UserWarning, match="hook"):
+        deferred = run(model, inputs)
+    assert ((deferred - patched).norm() / patched.norm()).item() < 0.05
+    kinds = dict(report.linears)
+    for block in ("text_transformer_blocks.1", "visual_transformer_blocks.0"):
+        for linear in ("self_attention.to_query", "self_attention.to_value", "feed_forward.in_layer"):
+            assert "own input" not in kinds[f"{block}.{linear}"], (block, linear)
+        assert "own input" in kinds[f"{block}.feed_forward.out_layer"]
+    assert "own input" in kinds["visual_transformer_blocks.0.cross_attention.to_query"]
+    assert ("visual_transformer_blocks.1.cross_attention_norm", "residual_norm_scale_shift") in report.replaced
 
 
 def test_a_processor_that_defers_to_diffusers_gets_a_tensor_from_fp8_rows():

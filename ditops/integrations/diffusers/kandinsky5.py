@@ -12,6 +12,14 @@
   for every item; it rounds the rotated q and k to bfloat16 whatever the activations' dtype,
   which the processor does too.
 
+With ``quantize="fp8"`` (quantize.py) a block with ditops' self-attention processor whose fed
+Linears all became FP8 gets FP8 rows from ``self_attention_norm`` (``norm_scale_shift_fp8``)
+for the self-attention's q/k/v and from ``feed_forward_norm`` (``residual_norm_scale_shift_fp8``)
+for the FFN's ``in_layer`` (an exact GELU follows it: ``out_layer`` quantises its own input).
+The visual blocks' ``cross_attention_norm`` feeds diffusers' cross-attention bf16, and a call
+with sparse (NABLA) attention, which goes to diffusers' processor, runs the bf16 norms. The
+other Linears quantise their own input.
+
 Left as diffusers wrote them: the visual blocks' cross-attention (q/k RMSNorm without RoPE),
 calls with sparse (NABLA) attention, the ``out_layer``'s modulated norm, blocks of another class
 or whose norms are not the ones checked. diffusers 0.42 has no context-parallel plan for
@@ -23,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from . import patching
+from ...fp8 import Float8Rows
+from . import flux, patching, quantize
 
 _TEXT_NORMS = ("self_attention_norm", "feed_forward_norm")
 _VISUAL_NORMS = ("self_attention_norm", "cross_attention_norm", "feed_forward_norm")
@@ -34,35 +43,49 @@ def _gated_add(x, gate, out):
     return (x.float() + gate.float().unsqueeze(1) * out.float()).type_as(x)
 
 
-def _text_block_forward(self, x, time_embed, rope):
-    """diffusers' Kandinsky5TransformerEncoderBlock: self_attention_norm as norm_scale_shift,
-    "x + gate * attention, then feed_forward_norm" as residual_norm_scale_shift. With a hooked
-    norm, diffusers' forward runs."""
-    if patching.hooked(self, _TEXT_NORMS):
-        return type(self).forward(self, x, time_embed, rope)
-    shift, scale, gate, ff_shift, ff_scale, ff_gate = self.text_modulation(time_embed).chunk(6, dim=-1)
-    out = ops.norm_scale_shift(x, scale, shift, eps=self.self_attention_norm.eps)
-    out = self.self_attention(out, rotary_emb=rope)
-    out, x = ops.residual_norm_scale_shift(out, x, gate, ff_scale, ff_shift, eps=self.feed_forward_norm.eps)
-    return _gated_add(x, ff_gate, self.feed_forward(out))
+def _text_block_forward_of(norm, residual_norm):
+    def forward(self, x, time_embed, rope):
+        """diffusers' Kandinsky5TransformerEncoderBlock: self_attention_norm as ``norm`` (flux.py's
+        norm_scale_shift, or its FP8 form), "x + gate * attention, then feed_forward_norm" as
+        ``residual_norm`` (residual_norm_scale_shift, or its FP8 form). With a hooked norm,
+        diffusers' forward runs."""
+        if patching.hooked(self, _TEXT_NORMS):
+            return type(self).forward(self, x, time_embed, rope)
+        shift, scale, gate, ff_shift, ff_scale, ff_gate = self.text_modulation(time_embed).chunk(6, dim=-1)
+        out = norm(x, scale, shift, self.self_attention_norm.eps)
+        out = self.self_attention(out, rotary_emb=rope)
+        out, x = residual_norm(out, x, gate, ff_scale, ff_shift, self.feed_forward_norm.eps)
+        return _gated_add(x, ff_gate, self.feed_forward(out))
+
+    return forward
 
 
-def _visual_block_forward(self, visual_embed, text_embed, time_embed, rope, sparse_params):
-    """diffusers' Kandinsky5TransformerDecoderBlock: self_attention_norm as norm_scale_shift,
-    "x + gate * attention, then cross_attention_norm / feed_forward_norm" as
-    residual_norm_scale_shift. With a hooked norm, diffusers' forward runs."""
-    if patching.hooked(self, _VISUAL_NORMS):
-        return type(self).forward(self, visual_embed, text_embed, time_embed, rope, sparse_params)
-    (shift, scale, gate, cross_shift, cross_scale, cross_gate,
-     ff_shift, ff_scale, ff_gate) = self.visual_modulation(time_embed).chunk(9, dim=-1)
-    out = ops.norm_scale_shift(visual_embed, scale, shift, eps=self.self_attention_norm.eps)
-    out = self.self_attention(out, rotary_emb=rope, sparse_params=sparse_params)
-    out, visual_embed = ops.residual_norm_scale_shift(out, visual_embed, gate, cross_scale, cross_shift,
-                                                      eps=self.cross_attention_norm.eps)
-    out = self.cross_attention(out, encoder_hidden_states=text_embed)
-    out, visual_embed = ops.residual_norm_scale_shift(out, visual_embed, cross_gate, ff_scale, ff_shift,
-                                                      eps=self.feed_forward_norm.eps)
-    return _gated_add(visual_embed, ff_gate, self.feed_forward(out))
+def _visual_block_forward_of(norm, residual_norm):
+    def forward(self, visual_embed, text_embed, time_embed, rope, sparse_params):
+        """diffusers' Kandinsky5TransformerDecoderBlock: self_attention_norm as ``norm``, "x +
+        gate * attention, then cross_attention_norm" as residual_norm_scale_shift (diffusers'
+        cross-attention takes it), "x + gate * cross-attention, then feed_forward_norm" as
+        ``residual_norm``. Sparse attention (diffusers' processor) takes the bf16 norms. With a
+        hooked norm, diffusers' forward runs."""
+        if patching.hooked(self, _VISUAL_NORMS):
+            return type(self).forward(self, visual_embed, text_embed, time_embed, rope, sparse_params)
+        first, last = (norm, residual_norm) if sparse_params is None else (flux._norm, flux._residual_norm)
+        (shift, scale, gate, cross_shift, cross_scale, cross_gate,
+         ff_shift, ff_scale, ff_gate) = self.visual_modulation(time_embed).chunk(9, dim=-1)
+        out = first(visual_embed, scale, shift, self.self_attention_norm.eps)
+        out = self.self_attention(out, rotary_emb=rope, sparse_params=sparse_params)
+        out, visual_embed = ops.residual_norm_scale_shift(out, visual_embed, gate, cross_scale, cross_shift,
+                                                          eps=self.cross_attention_norm.eps)
+        out = self.cross_attention(out, encoder_hidden_states=text_embed)
+        out, visual_embed = last(out, visual_embed, cross_gate, ff_scale, ff_shift, self.feed_forward_norm.eps)
+        return _gated_add(visual_embed, ff_gate, self.feed_forward(out))
+
+    return forward
+
+
+_FORWARDS = {fp8: (_text_block_forward_of(*norms), _visual_block_forward_of(*norms))
+             for fp8, norms in ((False, (flux._norm, flux._residual_norm)),
+                                (True, (flux._norm_fp8, flux._residual_norm_fp8)))}
 
 
 def _eps(norm) -> float:
@@ -76,13 +99,15 @@ class Kandinsky5QKNormRopeProcessor(patching.DitopsProcessor):
     item), q and k then rounded to bfloat16 as diffusers does. Calls without rotary tables, with
     context or sparse attention, with hooked q/k norms, or with norm weights of another dtype
     than the activations go to diffusers' processor. Attention runs through
-    dispatch_attention_fn with the processor's backend and parallel config."""
+    dispatch_attention_fn with the processor's backend and parallel config. The projections take
+    a tensor or FP8 rows (quantize="fp8": self_attention_norm feeds them)."""
 
     bypassed = ("query_norm", "key_norm")
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None):
         if (rotary_emb is None or encoder_hidden_states is not None or sparse_params is not None
-                or not patching.norms_taken(attn, self.bypassed, hidden_states.dtype)):
+                or not patching.norms_taken(attn, self.bypassed, attn.to_query.out_dtype if isinstance(
+                    hidden_states, Float8Rows) else hidden_states.dtype)):
             return self.defer(attn, hidden_states, encoder_hidden_states, rotary_emb, sparse_params)
         query, key, value = (projection(hidden_states).unflatten(-1, (attn.num_heads, -1))
                              for projection in (attn.to_query, attn.to_key, attn.to_value))
@@ -108,27 +133,45 @@ def _attention_supported(attn) -> bool:
             and all(type(norm) is torch.nn.RMSNorm and norm.weight is not None for norm in norms))
 
 
-def patch(model, patches: list, report) -> None:
+def patch(model, patches: list, report, fp8_dtype=None) -> None:
+    """Patches the blocks; with ``fp8_dtype`` their Linears run FP8, fed FP8 rows by the norms
+    where a block's self-attention processor is ditops' and all the Linears they feed became FP8."""
     from diffusers.models.transformers.transformer_kandinsky import (Kandinsky5TransformerDecoderBlock,
                                                                      Kandinsky5TransformerEncoderBlock)
 
-    families = (("text_transformer_blocks", Kandinsky5TransformerEncoderBlock, _TEXT_NORMS, _text_block_forward),
-                ("visual_transformer_blocks", Kandinsky5TransformerDecoderBlock, _VISUAL_NORMS,
-                 _visual_block_forward))
-    for blocks, block_class, norms, forward in families:
+    families = (("text_transformer_blocks", Kandinsky5TransformerEncoderBlock, _TEXT_NORMS, 0),
+                ("visual_transformer_blocks", Kandinsky5TransformerDecoderBlock, _VISUAL_NORMS, 1))
+    for blocks, block_class, norms, kind in families:
         for index, block in enumerate(getattr(model, blocks)):
             path = f"{blocks}.{index}"
             if type(block) is not block_class:
                 report.skipped.append(f"{path}: {type(block).__name__}, not {block_class.__name__}; left as it is")
                 continue
-            if not _blocks_supported(block, norms):
-                report.skipped.append(f"{path}: norms not LayerNorms without affine parameters; left as they are")
-            elif patching.replace_forward(patches, report, block, path, forward):
-                report.replaced += [(f"{path}.{norms[0]}", "norm_scale_shift")] + [
-                    (f"{path}.{name}", "residual_norm_scale_shift") for name in norms[1:]]
             patching.replace_processor(patches, report, block.self_attention, f"{path}.self_attention",
                                        _attention_supported(block.self_attention), Kandinsky5QKNormRopeProcessor,
                                        "qk_norm_rope_")
+            if not _blocks_supported(block, norms):
+                report.skipped.append(f"{path}: norms not LayerNorms without affine parameters; left as they are")
+            else:
+                fp8 = fp8_dtype is not None and _quantize_block(block, path, patches, report, fp8_dtype)
+                if patching.replace_forward(patches, report, block, path, _FORWARDS[fp8][kind]):
+                    suffix = "_fp8" if fp8 else ""
+                    report.replaced += [(f"{path}.{norms[0]}", "norm_scale_shift" + suffix)] + [
+                        (f"{path}.{name}", "residual_norm_scale_shift" + (suffix if name == norms[-1] else ""))
+                        for name in norms[1:]]
             if hasattr(block, "cross_attention"):
                 report.skipped.append(f"{path}.cross_attention: q/k RMSNorm without RoPE; left as it is")
     report.skipped.append("out_layer: its modulated norm over the unflattened video; left as it is")
+    if fp8_dtype is not None:
+        quantize.replace_rest(model, patches, report, fp8_dtype)
+
+
+def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the block's first and last norms feed -> FP8 (the self-attention's q/k/v, the
+    FFN's in_layer); True where those norms may give them FP8 rows."""
+    if type(block.self_attention.processor) is not Kandinsky5QKNormRopeProcessor:
+        report.skipped.append(f"{path}: its norms give bf16 (the self-attention's processor is not ditops')")
+        return False
+    linears = (quantize.fed(block.self_attention, ("to_query", "to_key", "to_value"), f"{path}.self_attention")
+               + quantize.fed(block.feed_forward, ("in_layer",), f"{path}.feed_forward"))
+    return quantize.replace_fed(patches, report, linears, fp8_dtype, path)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...fp8 import Float8Rows
+from ...fp8 import Float8Linear, Float8Rows
 from .report import Report
 
 # ----- forwards: the innermost link ---------------------------------------------------------
@@ -181,8 +181,11 @@ class DitopsProcessor:
 
     def defer(self, attn, *arguments, **options):
         """The call, in the processor this one replaced. FP8 rows (quantize="fp8": a norm feeds
-        them to the q/k/v projections) are given back as the tensors diffusers' code takes."""
-        arguments = [a.dequantize(attn.to_q.out_dtype) if isinstance(a, Float8Rows) else a for a in arguments]
+        them to the q/k/v projections) are given back as the tensors diffusers' code takes, in
+        the dtype those projections give."""
+        if any(isinstance(a, Float8Rows) for a in arguments):
+            dtype = next(module.out_dtype for module in attn.modules() if isinstance(module, Float8Linear))
+            arguments = [a.dequantize(dtype) if isinstance(a, Float8Rows) else a for a in arguments]
         return self.original(attn, *arguments, **options)
 
     def attention(self, query, key, value, attn_mask=None) -> torch.Tensor:
