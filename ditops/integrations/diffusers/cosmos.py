@@ -160,8 +160,7 @@ def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     where those norms may give them FP8 rows."""
     from diffusers.models.activations import GELU
 
-    if type(block.attn1.processor) is not CosmosQKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norms give bf16 (the self-attention's processor is not ditops')")
+    if not quantize.takes_rows(report, block.attn1, CosmosQKNormRopeProcessor, path):
         return False
     if type(getattr(block.ff, "net", [None])[0]) is not GELU:
         report.skipped.append(f"{path}: its norms give bf16 (ff is not diffusers' GELU FeedForward)")

@@ -251,8 +251,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
 def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linears the block's norms feed -> FP8 (q/k/v of both streams, both MLPs, with the
     MLPs' GELU + quantisation fused); True where the norms may give them FP8 rows."""
-    if type(block.attn.processor) is not FluxQKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+    if not quantize.takes_rows(report, block.attn, FluxQKNormRopeProcessor, path):
         return False
     projections = quantize.fed(block.attn, _QKV + _ADDED_QKV, f"{path}.attn")
     feed_forwards = {f"{path}.{name}": getattr(block, name) for name in _FEED_FORWARDS}
@@ -266,8 +265,7 @@ def _quantize_single_block(block, path, patches, report, fp8_dtype, forward=None
     """The Linears the block's norm feeds -> FP8 (q/k/v, proj_mlp), and proj_out, fed FP8 rows
     by the block's ``forward`` (FLUX's single block's: _single_block_forward_fp8); True where
     the norm may give them FP8 rows."""
-    if type(block.attn.processor) is not FluxQKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norm gives bf16 (the attention processor is not ditops')")
+    if not quantize.takes_rows(report, block.attn, FluxQKNormRopeProcessor, path):
         return False
     if not (type(block.act_mlp) is torch.nn.GELU and block.act_mlp.approximate == "tanh"):
         report.skipped.append(f"{path}: its norm gives bf16 (act_mlp is not GELU(tanh))")

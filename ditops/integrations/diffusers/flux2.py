@@ -166,8 +166,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
 def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linears the block's norms feed -> FP8 (q/k/v of both streams, each joined into one
     GEMM, and both MLPs' linear_in); True where the norms may give them FP8 rows."""
-    if type(block.attn.processor) is not flux.FluxQKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+    if not quantize.takes_rows(report, block.attn, flux.FluxQKNormRopeProcessor, path):
         return False
     linears = (quantize.fed(block.attn, flux._QKV + flux._ADDED_QKV, f"{path}.attn")
                + quantize.fed(block.ff, ("linear_in",), f"{path}.ff")
@@ -182,8 +181,7 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
 def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linear the block's norm feeds -> FP8 (the fused qkv + MLP projection); True where
     the norm may give it FP8 rows."""
-    if type(block.attn.processor) is not Flux2ParallelQKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norm gives bf16 (the attention processor is not ditops')")
+    if not quantize.takes_rows(report, block.attn, Flux2ParallelQKNormRopeProcessor, path):
         return False
     return quantize.replace_fed(patches, report, quantize.fed(block.attn, ("to_qkv_mlp_proj",), f"{path}.attn"),
                                 fp8_dtype, path)

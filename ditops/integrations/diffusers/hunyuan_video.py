@@ -268,8 +268,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
 def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linears the block's norms feed -> FP8 (q/k/v of both streams, both MLPs, with the
     MLPs' GELU + quantisation fused); True where the norms may give them FP8 rows."""
-    if not isinstance(block.attn.processor, HunyuanVideoQKNormRopeProcessor):
-        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+    if not quantize.takes_rows(report, block.attn, HunyuanVideoQKNormRopeProcessor, path):
         return False
     projections = quantize.fed(block.attn, _QKV + _ADDED_QKV, f"{path}.attn")
     feed_forwards = {f"{path}.{name}": getattr(block, name) for name in ("ff", "ff_context")}

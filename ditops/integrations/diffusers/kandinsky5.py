@@ -169,8 +169,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
 def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linears the block's first and last norms feed -> FP8 (the self-attention's q/k/v, the
     FFN's in_layer); True where those norms may give them FP8 rows."""
-    if type(block.self_attention.processor) is not Kandinsky5QKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norms give bf16 (the self-attention's processor is not ditops')")
+    if not quantize.takes_rows(report, block.self_attention, Kandinsky5QKNormRopeProcessor, path):
         return False
     linears = (quantize.fed(block.self_attention, ("to_query", "to_key", "to_value"), f"{path}.self_attention")
                + quantize.fed(block.feed_forward, ("in_layer",), f"{path}.feed_forward"))

@@ -145,8 +145,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
 def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linears the block's norms feed -> FP8 (q/k/v, the FFN's linear_1 and linear_3); True
     where the norms may give them FP8 rows."""
-    if type(block.attn.processor) is not Lumina2QKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+    if not quantize.takes_rows(report, block.attn, Lumina2QKNormRopeProcessor, path):
         return False
     linears = (quantize.fed(block.attn, ("to_q", "to_k", "to_v"), f"{path}.attn")
                + quantize.fed(block.feed_forward, ("linear_1", "linear_3"), f"{path}.feed_forward"))

@@ -65,6 +65,16 @@ def fed(parent, names: tuple, path: str) -> list:
     return [(parent, name, f"{path}.{name}") for name in names]
 
 
+def takes_rows(report: Report, attention, processor_class, owner: str) -> bool:
+    """Whether ``attention``'s processor is ditops' ``processor_class``, whose projections take
+    FP8 rows (diffusers' processors take tensors); where not, the report says that ``owner``'s
+    norms give bf16."""
+    if isinstance(attention.processor, processor_class):
+        return True
+    report.skipped.append(f"{owner}: its norms give bf16 (the attention processor is not ditops')")
+    return False
+
+
 def replace_fed(patches: list, report: Report, linears: list, fp8_dtype, owner: str) -> bool:
     """The Linears an op would feed FP8 rows, as (parent, name, path): all of them ->
     their FP8 modules, True; or, where one cannot be replaced, none, False, and the report

@@ -196,8 +196,7 @@ _MLPS = ("img_mlp", "txt_mlp")
 def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linears the block's norms feed -> FP8 (both streams' q/k/v and MLPs, the MLPs' GELU
     + quantisation fused); True where the norms may give them FP8 rows."""
-    if type(block.attn.processor) is not QwenQKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+    if not quantize.takes_rows(report, block.attn, QwenQKNormRopeProcessor, path):
         return False
     projections = quantize.fed(block.attn, _PROJECTIONS, f"{path}.attn")
     feed_forwards = {f"{path}.{name}": getattr(block, name) for name in _MLPS}

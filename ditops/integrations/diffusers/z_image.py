@@ -139,8 +139,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
 def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     """The Linears the block's norms feed -> FP8 (q/k/v, the FFN's w1 and w3); True where the
     norms may give them FP8 rows."""
-    if type(block.attention.processor) is not ZImageQKNormRopeProcessor:
-        report.skipped.append(f"{path}: its norms give bf16 (the attention processor is not ditops')")
+    if not quantize.takes_rows(report, block.attention, ZImageQKNormRopeProcessor, path):
         return False
     linears = (quantize.fed(block.attention, ("to_q", "to_k", "to_v"), f"{path}.attention")
                + quantize.fed(block.feed_forward, ("w1", "w3"), f"{path}.feed_forward"))
