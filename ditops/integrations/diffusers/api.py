@@ -45,7 +45,7 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
     the model's device, the bf16 Linears wait in host memory for ``remove``), fed FP8 rows by
     the norms where the family's module does so (FLUX.1 and its copies, Chroma, FLUX.2, the
     HunyuanVideo family's double blocks, SD3's MLPs, LTX-Video, LTX-2, Lumina2, Cosmos,
-    Kandinsky 5, Qwen-Image, Wan, Z-Image), else quantising its own input; the report lists every Linear and
+    Kandinsky 5, HiDream-I1, Qwen-Image, Wan, Z-Image), else quantising its own input; the report lists every Linear and
     how it runs. A ValueError where the model's device has no FP8 GEMM (registry.yaml's
     fp8_formats)."""
     if quantize not in QUANTIZE:

@@ -150,6 +150,9 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
                 report.replaced += [(f"{path}.norm1", "norm_scale_shift" + suffix),
                                     (f"{path}.norm2", "residual_norm_scale_shift"),
                                     (f"{path}.norm3", "residual_norm_scale_shift" + suffix)]
+            if fp8:
+                report.skipped.append(f"{path}.norm2: gives bf16 (it feeds the cross-attention, diffusers' "
+                                      "processor, which takes tensors)")
         report.skipped.append(f"{path}.attn2: cross-attention, q/k RMSNorm without RoPE; left as it is")
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
