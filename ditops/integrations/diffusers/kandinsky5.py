@@ -16,9 +16,10 @@ With ``quantize="fp8"`` (quantize.py) a block with ditops' self-attention proces
 Linears all became FP8 gets FP8 rows from ``self_attention_norm`` (``norm_scale_shift_fp8``)
 for the self-attention's q/k/v and from ``feed_forward_norm`` (``residual_norm_scale_shift_fp8``)
 for the FFN's ``in_layer`` (an exact GELU follows it: ``out_layer`` quantises its own input).
-The visual blocks' ``cross_attention_norm`` feeds diffusers' cross-attention bf16, and a call
-with sparse (NABLA) attention, which goes to diffusers' processor, runs the bf16 norms. The
-other Linears quantise their own input.
+The visual blocks' ``cross_attention_norm`` feeds diffusers' cross-attention bf16 (the report
+says so), and a call with sparse (NABLA) attention, which goes to diffusers' processor, runs
+the bf16 norms. The other Linears (the attentions' out_layer, the cross-attention's q/k/v, the
+modulations, the final layer) quantise their own input.
 
 Left as diffusers wrote them: the visual blocks' cross-attention (q/k RMSNorm without RoPE),
 calls with sparse (NABLA) attention, the ``out_layer``'s modulated norm, blocks of another class
@@ -159,6 +160,9 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
                     report.replaced += [(f"{path}.{norms[0]}", "norm_scale_shift" + suffix)] + [
                         (f"{path}.{name}", "residual_norm_scale_shift" + (suffix if name == norms[-1] else ""))
                         for name in norms[1:]]
+                    if fp8 and "cross_attention_norm" in norms:
+                        report.skipped.append(f"{path}.cross_attention_norm: gives bf16 (it feeds the cross-attention, "
+                                              "diffusers' processor, which takes tensors)")
             if hasattr(block, "cross_attention"):
                 report.skipped.append(f"{path}.cross_attention: q/k RMSNorm without RoPE; left as it is")
     report.skipped.append("out_layer: its modulated norm over the unflattened video; left as it is")
