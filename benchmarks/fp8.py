@@ -10,8 +10,9 @@ from one seed and fed the same inputs: diffusers as is (bf16), torchao's
 L2 error against diffusers' bf16 eager output, the first call's time of each compiled FP8 model
 (``compile_s_*``, compile caches emptied before) and the bytes of the blocks' weights on the
 GPU, as built and at the released model's depth (``weight_bytes_full_depth_*``: the blocks
-a built model lacks counted as its first block's). A time is the median of ``--rounds`` rounds, the three ways taking turns going first; a
-round is the median of 5 CUDA-event timings after warm-up.
+a built model lacks counted as its first block's). A time is the median of ``--rounds``
+rounds, the three ways taking turns going first; a round is the median of 5 CUDA-event
+timings after warm-up.
 
 Writes benchmarks/results/fp8_<GPU>_<date>.json: {"device", "rows": [...]}.
 Usage: python benchmarks/fp8.py [--output FILE] [--models flux ...] [--modes ...] [--ways ...]

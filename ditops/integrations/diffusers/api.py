@@ -3,7 +3,6 @@ bookkeeping that lets ``remove`` undo exactly what ``apply`` did."""
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Optional
 
@@ -12,7 +11,6 @@ import torch
 from ...fp8 import check_device
 from . import (chroma, cosmos, flux, flux2, flux_clones, hidream, hunyuan_video, kandinsky5, lumina2, ltx2, qwen_image,
                sd3, wan, z_image)
-from . import quantize as quantize_module  # apply's argument is named quantize
 from .report import Report
 
 SUPPORTED_VERSION = "0.42."
@@ -43,11 +41,9 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
 
     ``quantize="fp8"``: every Linear runs as an FP8 GEMM (quantize.py: the FP8 weights stay on
     the model's device, the bf16 Linears wait in host memory for ``remove``), fed FP8 rows by
-    the norms where the family's module does so (FLUX.1 and its copies, Chroma, FLUX.2, the
-    HunyuanVideo family's double blocks, SD3's MLPs, LTX-Video, LTX-2, Lumina2, Cosmos,
-    Kandinsky 5, HiDream-I1, Qwen-Image, Wan, Z-Image), else quantising its own input; the report lists every Linear and
-    how it runs. A ValueError where the model's device has no FP8 GEMM (registry.yaml's
-    fp8_formats)."""
+    the norms where the family's module wires them (docs/diffusers.md says which, per family),
+    else quantising its own input; the report lists every Linear and how it runs. A ValueError
+    where the model's device has no FP8 GEMM (registry.yaml's fp8_formats)."""
     if quantize not in QUANTIZE:
         raise ValueError(f"apply: quantize is {quantize!r}; wanted one of {', '.join(map(repr, QUANTIZE))}")
     if getattr(model, "_ditops_patches", None) is not None:
@@ -65,12 +61,7 @@ def apply(model: torch.nn.Module, quantize: Optional[str] = None) -> Report:
         return _untouched(model, f"{name}: not a supported model ({', '.join(_PATCHERS)})")
     fp8_dtype = check_device(next(model.parameters()).device) if quantize == "fp8" else None
     patches, report = [], Report()
-    if fp8_dtype is not None and _feeds_fp8_rows(patcher):
-        patcher(model, patches, report, fp8_dtype=fp8_dtype)
-    else:
-        patcher(model, patches, report)
-        if fp8_dtype is not None:
-            quantize_module.replace_rest(model, patches, report, fp8_dtype)
+    patcher(model, patches, report, fp8_dtype=fp8_dtype)  # with fp8_dtype a family replaces every Linear (quantize.py)
     model._ditops_patches, model._ditops_report, model._ditops_quantize = patches, report, quantize
     return report
 
@@ -82,13 +73,6 @@ def remove(model: torch.nn.Module) -> None:
     for attribute in ("_ditops_patches", "_ditops_report", "_ditops_quantize"):
         if hasattr(model, attribute):
             delattr(model, attribute)
-
-
-def _feeds_fp8_rows(patcher) -> bool:
-    """Whether a family's norms give FP8 rows to its projections: its ``patch`` takes
-    ``fp8_dtype`` (and then replaces the rest of the model's Linears itself); the other families'
-    Linears quantise their own input."""
-    return "fp8_dtype" in inspect.signature(patcher).parameters
 
 
 def _untouched(model, reason: str) -> Report:

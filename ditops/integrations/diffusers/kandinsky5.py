@@ -84,9 +84,9 @@ def _visual_block_forward_of(norm, residual_norm):
     return forward
 
 
-_FORWARDS = {fp8: (_text_block_forward_of(*norms), _visual_block_forward_of(*norms))
-             for fp8, norms in ((False, (flux._norm, flux._residual_norm)),
-                                (True, (flux._norm_fp8, flux._residual_norm_fp8)))}
+_NORMS_BY_FP8 = {False: (flux._norm, flux._residual_norm), True: (flux._norm_fp8, flux._residual_norm_fp8)}
+_TEXT_FORWARDS = {fp8: _text_block_forward_of(*norms) for fp8, norms in _NORMS_BY_FP8.items()}
+_VISUAL_FORWARDS = {fp8: _visual_block_forward_of(*norms) for fp8, norms in _NORMS_BY_FP8.items()}
 
 
 def _eps(norm) -> float:
@@ -140,9 +140,9 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     from diffusers.models.transformers.transformer_kandinsky import (Kandinsky5TransformerDecoderBlock,
                                                                      Kandinsky5TransformerEncoderBlock)
 
-    families = (("text_transformer_blocks", Kandinsky5TransformerEncoderBlock, _TEXT_NORMS, 0),
-                ("visual_transformer_blocks", Kandinsky5TransformerDecoderBlock, _VISUAL_NORMS, 1))
-    for blocks, block_class, norms, kind in families:
+    families = (("text_transformer_blocks", Kandinsky5TransformerEncoderBlock, _TEXT_NORMS, _TEXT_FORWARDS),
+                ("visual_transformer_blocks", Kandinsky5TransformerDecoderBlock, _VISUAL_NORMS, _VISUAL_FORWARDS))
+    for blocks, block_class, norms, forwards in families:
         for index, block in enumerate(getattr(model, blocks)):
             path = f"{blocks}.{index}"
             if type(block) is not block_class:
@@ -155,7 +155,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
                 report.skipped.append(f"{path}: norms not LayerNorms without affine parameters; left as they are")
             else:
                 fp8 = fp8_dtype is not None and _quantize_block(block, path, patches, report, fp8_dtype)
-                if patching.replace_forward(patches, report, block, path, _FORWARDS[fp8][kind]):
+                if patching.replace_forward(patches, report, block, path, forwards[fp8]):
                     suffix = "_fp8" if fp8 else ""
                     report.replaced += [(f"{path}.{norms[0]}", "norm_scale_shift" + suffix)] + [
                         (f"{path}.{name}", "residual_norm_scale_shift" + (suffix if name == norms[-1] else ""))
