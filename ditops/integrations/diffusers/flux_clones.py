@@ -3,7 +3,7 @@ Ovis-Image (``OvisImageTransformer2DModel``), Bria 3.2 (``BriaTransformer2DModel
 (``BriaFiboTransformer2DModel``).
 
 Their double blocks are FLUX.1's ``FluxTransformerBlock`` under another name (Ovis-Image's MLPs
-are SwiGLU, which ditops does not touch), their single blocks keep FLUX.1's
+are SwiGLU), their single blocks keep FLUX.1's
 ``AdaLayerNormZeroSingle``, and their attention processors compute what ``FluxAttnProcessor``
 computes (heads split as ``attn.heads`` x rest instead of rest x ``attn.head_dim``: the same
 split where heads x head_dim is the inner width, which ``patch`` checks). So FLUX's ditops
@@ -18,9 +18,12 @@ FIBO's single blocks run diffusers' generic ``Attention`` (diffusers' own RMSNor
 
 With ``quantize="fp8"`` a block whose processor became ditops' runs FLUX's FP8 forms
 (flux.py): the norms give FP8 rows to the Linears they feed, the double blocks' GELU MLPs
-quantise their hidden state in one pass, and LongCat-Image's and Bria's single blocks, which
-compute FLUX's single block, quantise the attention output and GELU(MLP) together. Ovis-Image's
-SwiGLU MLPs and FIBO's single blocks keep bf16 norms; their Linears quantise their own input.
+quantise their hidden state in one pass (Ovis-Image's SwiGLU MLPs take the rows in their up
+projection; the down projection quantises its own input), and LongCat-Image's and Bria's single
+blocks, which compute FLUX's single block, quantise the attention output and GELU(MLP)
+together. Ovis-Image's single block, whose diffusers forward hands its norm's output to
+``proj_mlp`` and the attention alone, keeps that forward: those Linears take the rows, and
+``proj_out`` quantises its own input. FIBO's single blocks keep bf16 norms.
 """
 
 from __future__ import annotations
@@ -79,6 +82,20 @@ def _single_blocks() -> tuple:
     return BriaSingleTransformerBlock, LongCatImageSingleTransformerBlock
 
 
+def _quantize_ovis_single_block(block, path, patches, report, fp8_dtype) -> bool:
+    """Ovis-Image's single block (diffusers 0.42: its forward hands the norm's output to
+    ``proj_mlp``, whose output its SwiGLU splits, and to the attention, nothing else): q/k/v
+    (one GEMM) and ``proj_mlp`` -> FP8, fed FP8 rows by diffusers' forward; True where the norm
+    may give them."""
+    if not quantize.takes_rows(report, block.attn, flux.FluxQKNormRopeProcessor, path):
+        return False
+    linears = quantize.fed(block.attn, flux._QKV, f"{path}.attn") + quantize.fed(block, ("proj_mlp",), path)
+    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
+        return False
+    quantize.join_projections(patches, report, block.attn, f"{path}.attn", {"to_qkv": flux._QKV})
+    return True
+
+
 def _ada_layer_norm_zero(norm, single: bool) -> bool:
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
@@ -90,6 +107,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     """Patches the clones' blocks as flux.patch does FLUX's, with ``fp8_dtype`` in FP8 where
     flux.py's FP8 forms compute what the block computes."""
     from diffusers.models.transformers.transformer_bria import BriaSingleTransformerBlock, BriaTransformerBlock
+    from diffusers.models.transformers.transformer_ovis_image import OvisImageSingleTransformerBlock
 
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
@@ -116,7 +134,9 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         patching.replace_processor(patches, report, block.attn, f"{path}.attn", _attention_supported(block.attn),
                                    flux.FluxQKNormRopeProcessor, "qk_norm_rope_")
         fp8 = False
-        if fp8_dtype is not None and type(block) not in _single_blocks():
+        if fp8_dtype is not None and type(block) is OvisImageSingleTransformerBlock:
+            fp8 = _quantize_ovis_single_block(block, path, patches, report, fp8_dtype)
+        elif fp8_dtype is not None and type(block) not in _single_blocks():
             report.skipped.append(f"{path}: its norm gives bf16 (a single block of another kind than FLUX's)")
         elif fp8_dtype is not None:
             forward = _bria_single_block_forward_fp8 if type(block) is BriaSingleTransformerBlock else None

@@ -26,9 +26,10 @@ attention are still patched.
 With ``quantize="fp8"`` (quantize.py) a double block's norms give FP8 rows
 (``norm_scale_shift_fp8``, ``residual_norm_scale_shift_fp8``) to q/k/v of both streams and to
 the GELU MLPs, whose GELU and quantisation are one ``quantize_fp8``, where every norm of the
-block is patched and its processor is ditops'. The single blocks' norm gives bf16: diffusers'
-single block slices its output into video and text rows for the attention, and their Linears
-quantise their own input.
+block is patched and its processor is ditops'. A single block's norm gives FP8 rows of its
+video and text tokens to ``proj_mlp`` and, sliced as diffusers slices them, to q/k/v; its
+``proj_out`` input [attention output, GELU(MLP)] is one ``quantize_fp8``, as in FLUX's single
+blocks.
 
 Left as diffusers wrote them: the text token refiner (``context_embedder``: affine LayerNorms
 over the text tokens, once per step), the output ``norm_out``, the single blocks' gated
@@ -104,6 +105,42 @@ def _rms(x, norm):
                                 eps=norm.eps).view(x.shape)
 
 
+def _joined(video, text):
+    """The video rows, then the text rows: tensors, or FP8 rows (a single block's FP8 norm) with
+    their scales."""
+    if isinstance(video, Float8Rows):
+        return Float8Rows(*(torch.cat(parts, dim=1) for parts in zip(video, text)))
+    return torch.cat([video, text], dim=1)
+
+
+def _tokens(rows: Float8Rows, start, stop) -> Float8Rows:
+    """Tokens [start, stop) of FP8 rows [B, S, D] and their scales [B, S, 1] (views)."""
+    return Float8Rows(rows.data[:, start:stop], rows.scale[:, start:stop])
+
+
+def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
+                              image_rotary_emb=None, *args, **kwargs):
+    """diffusers' HunyuanVideoSingleTransformerBlock with FP8 GEMMs: the norm's FP8 rows of the
+    video and text tokens feed proj_mlp and, as diffusers slices them, the attention's q/k/v;
+    proj_out's input [attention output, GELU(MLP)] is quantised by one quantize_fp8 (as FLUX's
+    single block's, flux.single_block_output_fp8), never concatenated in bf16."""
+    if self.training or patching.hooked(self, ("act_mlp",)):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb, attention_mask, image_rotary_emb,
+                                  *args, **kwargs)
+    text = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    residual = hidden_states
+    rows, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = self.proj_mlp(rows)
+    attention, context_attention = self.attn(hidden_states=_tokens(rows, None, -text),
+                                             encoder_hidden_states=_tokens(rows, -text, None),
+                                             attention_mask=attention_mask, image_rotary_emb=image_rotary_emb)
+    rows = Float8Rows(*ops.quantize_fp8(mlp_hidden_states, activation="gelu_tanh",
+                                        prefix=torch.cat([attention, context_attention], dim=1)))
+    hidden_states = gate.unsqueeze(1) * self.proj_out(rows) + residual
+    return hidden_states[:, :-text], hidden_states[:, -text:]
+
+
 def _heads(attn, projections, states):
     return (getattr(attn, name)(states).unflatten(2, (attn.heads, -1)) for name in projections)
 
@@ -125,9 +162,9 @@ class HunyuanVideoQKNormRopeProcessor(patching.DitopsProcessor):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         cache = patching.cos_sin_cache(*image_rotary_emb)
         if single:
-            text = encoder_hidden_states.shape[1]
-            query, key, value = _heads(attn, ("to_q", "to_k", "to_v"),
-                                       torch.cat([hidden_states, encoder_hidden_states], dim=1))
+            text = (encoder_hidden_states.data if isinstance(encoder_hidden_states, Float8Rows)
+                    else encoder_hidden_states).shape[1]
+            query, key, value = _heads(attn, ("to_q", "to_k", "to_v"), _joined(hidden_states, encoder_hidden_states))
             video_query, video_key = query[:, :-text], key[:, :-text]
             text_query, text_key = _rms(query[:, -text:], attn.norm_q), _rms(key[:, -text:], attn.norm_k)
         else:
@@ -256,11 +293,10 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     for index, block in enumerate(getattr(model, "single_transformer_blocks", None) or []):
         path = f"single_transformer_blocks.{index}"
         _patch_attention(patches, report, block, path)
+        fp8 = (fp8_dtype is not None and _norm_supported(block.norm, AdaLayerNormZeroSingle)
+               and _quantize_single_block(block, path, patches, report, fp8_dtype))
         _patch_norm(patches, report, block, path, "norm", AdaLayerNormZeroSingle,
-                    flux._ada_layer_norm_zero_single_forward)
-        if fp8_dtype is not None:
-            report.skipped.append(f"{path}.norm: gives bf16 (diffusers' single block slices its output into video "
-                                  "and text rows for the attention)")
+                    flux._forward(flux._ada_layer_norm_zero_single_forward, fp8), "norm_scale_shift" + ("_fp8" if fp8 else ""))
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
 
@@ -273,3 +309,27 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
     projections = quantize.fed(block.attn, _QKV + _ADDED_QKV, f"{path}.attn")
     feed_forwards = {f"{path}.{name}": getattr(block, name) for name in ("ff", "ff_context")}
     return quantize.replace_fed_with_feed_forwards(patches, report, projections, feed_forwards, fp8_dtype, path)
+
+
+def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the single block's norm feeds -> FP8 (q/k/v, proj_mlp), and proj_out, fed FP8
+    rows by _single_block_forward_fp8; True where the norm may give them FP8 rows (the block
+    computes diffusers' single block, ditops' processor, a GELU(tanh) MLP)."""
+    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoSingleTransformerBlock
+
+    if wan._code(type(block).forward.__code__) != wan._code(HunyuanVideoSingleTransformerBlock.forward.__code__):
+        report.skipped.append(f"{path}.norm: gives bf16 ({type(block).__name__} has another forward than "
+                              "HunyuanVideo's single block)")
+        return False
+    if not quantize.takes_rows(report, block.attn, HunyuanVideoQKNormRopeProcessor, path):
+        return False
+    if not (type(block.act_mlp) is torch.nn.GELU and block.act_mlp.approximate == "tanh"):
+        report.skipped.append(f"{path}.norm: gives bf16 (act_mlp is not GELU(tanh))")
+        return False
+    linears = quantize.fed(block.attn, _QKV, f"{path}.attn") + quantize.fed(block, ("proj_mlp", "proj_out"), path)
+    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
+        return False
+    if not patching.replace_forward(patches, report, block, path, _single_block_forward_fp8):
+        return False  # diffusers' forward slices the norm's output: it takes a tensor
+    report.replaced.append((f"{path}.act_mlp, {path}.proj_out", "quantize_fp8 (attention; GELU)"))
+    return True

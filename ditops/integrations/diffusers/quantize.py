@@ -150,7 +150,9 @@ def replace_rest(model: torch.nn.Module, patches: list, report: Report, fp8_dtyp
 
 
 # diffusers' GELU-tanh FeedForward (FLUX, Qwen-Image, Wan): FP8 rows in, the GELU and the
-# quantisation of its wide hidden state as one quantize_fp8 between its two FP8 GEMMs.
+# quantisation of its wide hidden state as one quantize_fp8 between its two FP8 GEMMs. Its
+# SwiGLU FeedForward (Ovis-Image): FP8 rows in to the up projection, diffusers' forward as it is
+# (quantize_fp8 has no SwiGLU: the down projection quantises its own input).
 
 
 def _gelu_tanh_feed_forward(ff) -> bool:
@@ -162,9 +164,20 @@ def _gelu_tanh_feed_forward(ff) -> bool:
             and type(net[1]) is torch.nn.Dropout and type(net[2]) is torch.nn.Linear)
 
 
+def _swiglu_feed_forward(ff) -> bool:
+    """Whether ``ff`` is diffusers' FeedForward with a SwiGLU up projection, dropout, a Linear down."""
+    from diffusers.models.activations import SwiGLU
+
+    net = getattr(ff, "net", None)
+    return (net is not None and len(net) == 3 and type(net[0]) is SwiGLU and type(net[1]) is torch.nn.Dropout
+            and type(net[2]) is torch.nn.Linear)
+
+
 def _feed_forward_linears(ff, path: str) -> list:
-    """A GELU-tanh FeedForward's up and down projections, as replace_fed takes them."""
-    return [(ff.net[0], "proj", f"{path}.net.0.proj"), (ff.net, "2", f"{path}.net.2")]
+    """The Linears of a FeedForward that FP8 rows reach, as replace_fed takes them: a GELU-tanh
+    FeedForward's up and down projections, a SwiGLU one's up projection."""
+    up = [(ff.net[0], "proj", f"{path}.net.0.proj")]
+    return up + [(ff.net, "2", f"{path}.net.2")] if _gelu_tanh_feed_forward(ff) else up
 
 
 def _feed_forward_fp8(self, hidden_states, *args, **kwargs):
@@ -181,18 +194,19 @@ def replace_fed_with_feed_forwards(patches: list, report: Report, linears: list,
                                    owner: str) -> bool:
     """replace_fed for ``linears`` and the projections of the FeedForwards ``feed_forwards``
     ({path: module}) that ``owner``'s norms feed, each of them diffusers' GELU-tanh FeedForward,
-    then wired with its GELU and quantisation fused; False where one is another kind (the
-    report says which) or replace_fed refuses."""
-    others = [path for path, ff in feed_forwards.items() if not _gelu_tanh_feed_forward(ff)]
+    then wired with its GELU and quantisation fused, or its SwiGLU one; False where one is
+    another kind (the report says which) or replace_fed refuses."""
+    others = [path for path, ff in feed_forwards.items() if not (_gelu_tanh_feed_forward(ff)
+                                                                  or _swiglu_feed_forward(ff))]
     if others:
         report.skipped.append(
-            f"{owner}: its norms give bf16 ({', '.join(others)}: not diffusers' GELU-tanh FeedForward)")
+            f"{owner}: its norms give bf16 ({', '.join(others)}: not diffusers' GELU-tanh or SwiGLU FeedForward)")
         return False
     for path, ff in feed_forwards.items():
         linears = linears + _feed_forward_linears(ff, path)
     if not replace_fed(patches, report, linears, fp8_dtype, owner):
         return False
     for path, ff in feed_forwards.items():
-        if patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
+        if _gelu_tanh_feed_forward(ff) and patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
             report.replaced.append((path, "quantize_fp8 (GELU)"))
     return True

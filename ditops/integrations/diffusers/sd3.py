@@ -11,10 +11,12 @@
   and image weights apart) -> ``norm_scale_shift`` (norm="rms", no modulation) on the [B, S*H, Dh]
   view of each projection. SD3 has no q/k norm and no RoPE: its attention stays as it is.
 
-With ``quantize="fp8"`` (quantize.py) the residual norms give FP8 rows
+With ``quantize="fp8"`` (quantize.py) the AdaLN norms give FP8 rows (``norm_scale_shift_fp8``)
+to the q/k/v projections of the attentions they feed (both streams; SD3.5's second attention),
+through ``SD3JointProcessor`` (diffusers' joint attention on rows; SD3's projections, with no
+q/k norm between, one GEMM per stream); the residual norms give FP8 rows
 (``residual_norm_scale_shift_fp8``) to the GELU MLPs, whose GELU and quantisation are one
-``quantize_fp8``; the AdaLN norms feed the attentions bf16 (SD3's attention is diffusers'
-processor, which takes tensors) and the projections quantise their own input.
+``quantize_fp8``. The attention outputs quantise their own input.
 """
 
 from __future__ import annotations
@@ -22,28 +24,42 @@ from __future__ import annotations
 import torch
 
 from ... import ops
+from ...fp8 import Float8Rows
 from . import flux, patching, quantize
 
 
-def _ada_layer_norm_zero_x_forward(self, hidden_states, emb=None):
-    """diffusers' SD35AdaLayerNormZeroX: nine modulation chunks of one linear layer; LayerNorm(x)
-    modulated once for the first attention and once for the second."""
-    if patching.hooked(self, ("norm",)):
-        return type(self).forward(self, hidden_states, emb)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = self.linear(
-        self.silu(emb)).chunk(9, dim=1)
-    eps = self.norm.eps
-    return (ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=eps), gate_msa, shift_mlp, scale_mlp,
-            gate_mlp, ops.norm_scale_shift(hidden_states, scale_msa2, shift_msa2, eps=eps), gate_msa2)
+def _ada_layer_norm_zero_x_forward_of(norm):
+    def forward(self, hidden_states, emb=None):
+        """diffusers' SD35AdaLayerNormZeroX: nine modulation chunks of one linear layer;
+        LayerNorm(x) modulated once for the first attention and once for the second."""
+        if patching.hooked(self, ("norm",)):
+            return type(self).forward(self, hidden_states, emb)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = self.linear(
+            self.silu(emb)).chunk(9, dim=1)
+        eps = self.norm.eps
+        return (norm(hidden_states, scale_msa, shift_msa, eps), gate_msa, shift_mlp, scale_mlp, gate_mlp,
+                norm(hidden_states, scale_msa2, shift_msa2, eps), gate_msa2)
+
+    return forward
 
 
-def _ada_layer_norm_continuous_forward(self, x, conditioning_embedding):
-    """diffusers' AdaLayerNormContinuous: scale, then shift (FLUX's chunks come the other way
-    round), from one linear layer in x's dtype."""
-    if patching.hooked(self, ("norm",)):
-        return type(self).forward(self, x, conditioning_embedding)
-    scale, shift = self.linear(self.silu(conditioning_embedding).to(x.dtype)).chunk(2, dim=1)
-    return ops.norm_scale_shift(x, scale, shift, eps=self.norm.eps)
+def _ada_layer_norm_continuous_forward_of(norm):
+    def forward(self, x, conditioning_embedding):
+        """diffusers' AdaLayerNormContinuous: scale, then shift (FLUX's chunks come the other way
+        round), from one linear layer in x's dtype."""
+        if patching.hooked(self, ("norm",)):
+            return type(self).forward(self, x, conditioning_embedding)
+        scale, shift = self.linear(self.silu(conditioning_embedding).to(x.dtype)).chunk(2, dim=1)
+        return norm(x, scale, shift, self.norm.eps)
+
+    return forward
+
+
+# The block's first norms, as the attention takes their output: {FP8 rows?: {norm: forward}}
+_NORM1_FORWARDS = {fp8: {"zero": flux._forward(flux._ada_layer_norm_zero_forward, fp8),
+                         "zero_x": _ada_layer_norm_zero_x_forward_of(flux._norm_fp8 if fp8 else flux._norm),
+                         "continuous": _ada_layer_norm_continuous_forward_of(flux._norm_fp8 if fp8 else flux._norm)}
+                   for fp8 in (False, True)}
 
 
 def _joint_block_forward_of(residual_norm):
@@ -109,29 +125,44 @@ def _rms_per_head(x, norm, heads):
     return _heads(rows.view(x.shape), heads)
 
 
-class SD3QKNormProcessor(patching.DitopsProcessor):
-    """diffusers' JointAttnProcessor2_0 with SD3.5's per-head q/k RMSNorms as norm_scale_shift
-    (norm="rms"). Like the processor it replaces it calls torch's scaled_dot_product_attention
-    (no diffusers attention backend); calls with a mask or extra arguments (which that processor
+def _per_head(x, norm, heads):
+    """[B, S, H*Dh] -> [B, H, S, Dh], through the q/k norm where there is one."""
+    return _heads(x, heads) if norm is None else _rms_per_head(x, norm, heads)
+
+
+def _projections(attn, x, joint: str, names: tuple) -> tuple:
+    """q, k, v of ``x``: the one GEMM ``joint`` where quantize.join_projections made one."""
+    if attn.fused_projections:
+        return getattr(attn, joint)(x).chunk(3, dim=-1)
+    return tuple(getattr(attn, name)(x) for name in names)
+
+
+class SD3JointProcessor(patching.DitopsProcessor):
+    """diffusers' JointAttnProcessor2_0 on what ditops' norms give it, tensors or FP8 rows
+    (quantize="fp8"), with SD3.5's per-head q/k RMSNorms as norm_scale_shift (norm="rms"); SD3
+    has none. Like the processor it replaces it calls torch's scaled_dot_product_attention (no
+    diffusers attention backend); calls with a mask or extra arguments (which that processor
     ignores), and norm weights of another dtype than the projections (diffusers' RMSNorm then
     returns the weights' dtype), go to the original."""
 
     bypassed = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        bypassed = self.bypassed if encoder_hidden_states is not None else self.bypassed[:2]
-        if (attention_mask is not None or args or kwargs or not patching.norms_taken(attn, bypassed, hidden_states.dtype)):
+        names = self.bypassed if encoder_hidden_states is not None else self.bypassed[:2]
+        norms = tuple(name for name in names if getattr(attn, name) is not None)
+        dtype = attn.to_q.out_dtype if isinstance(hidden_states, Float8Rows) else hidden_states.dtype
+        if attention_mask is not None or args or kwargs or not patching.norms_taken(attn, norms, dtype):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
-        heads, image_tokens = attn.heads, hidden_states.shape[1]
-        query = _rms_per_head(attn.to_q(hidden_states), attn.norm_q, heads)
-        key = _rms_per_head(attn.to_k(hidden_states), attn.norm_k, heads)
-        value = _heads(attn.to_v(hidden_states), heads)
+        heads = attn.heads
+        query, key, value = _projections(attn, hidden_states, "to_qkv", ("to_q", "to_k", "to_v"))
+        image_tokens = query.shape[1]  # from the projection: hidden_states may be FP8 rows
+        query, key, value = _per_head(query, attn.norm_q, heads), _per_head(key, attn.norm_k, heads), _heads(value, heads)
         if encoder_hidden_states is not None:
-            query = torch.cat([query, _rms_per_head(attn.add_q_proj(encoder_hidden_states), attn.norm_added_q, heads)],
-                              dim=2)
-            key = torch.cat([key, _rms_per_head(attn.add_k_proj(encoder_hidden_states), attn.norm_added_k, heads)],
-                            dim=2)
-            value = torch.cat([value, _heads(attn.add_v_proj(encoder_hidden_states), heads)], dim=2)
+            context_query, context_key, context_value = _projections(
+                attn, encoder_hidden_states, "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
+            query = torch.cat([query, _per_head(context_query, attn.norm_added_q, heads)], dim=2)
+            key = torch.cat([key, _per_head(context_key, attn.norm_added_k, heads)], dim=2)
+            value = torch.cat([value, _heads(context_value, heads)], dim=2)
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
         out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
@@ -143,13 +174,15 @@ class SD3QKNormProcessor(patching.DitopsProcessor):
 
 
 def _attention_supported(attn) -> bool:
+    """diffusers' joint processor, with SD3.5's q/k RMSNorms (weights, no bias) or no q/k norm."""
     from diffusers.models.attention_processor import JointAttnProcessor2_0
     from diffusers.models.normalization import RMSNorm
 
     names = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.added_kv_proj_dim is not None else ())
-    return type(attn.processor) is JointAttnProcessor2_0 and all(
-        type(getattr(attn, name)) is RMSNorm and getattr(attn, name).weight is not None
-        and getattr(attn, name).bias is None for name in names)
+    norms = [getattr(attn, name) for name in names]
+    return type(attn.processor) is JointAttnProcessor2_0 and (
+        all(norm is None for norm in norms)
+        or all(type(norm) is RMSNorm and norm.weight is not None and norm.bias is None for norm in norms))
 
 
 def _block_supported(block) -> bool:
@@ -164,35 +197,63 @@ def _block_supported(block) -> bool:
             and patching.plain_layer_norm(block.norm1_context.norm) and all(map(patching.plain_layer_norm, norm2s)))
 
 
+_QKV = ("to_q", "to_k", "to_v")
+_ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
+
+
 def patch(model, patches: list, report, fp8_dtype=None) -> None:
-    """Patches the joint blocks; with ``fp8_dtype`` their Linears run FP8, the MLPs fed FP8 rows
-    by the residual norms where both of a block's MLPs became FP8."""
+    """Patches the joint blocks; with ``fp8_dtype`` their Linears run FP8, the attentions fed FP8
+    rows by the AdaLN norms and the MLPs by the residual norms, each where all the Linears those
+    norms feed became FP8."""
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
+        attentions = {f"{path}.{name}": getattr(block, name) for name in ("attn", "attn2")
+                      if getattr(block, name) is not None}
+        for attention_path, attention in attentions.items():
+            if attention.norm_q is not None:
+                patching.replace_processor(patches, report, attention, attention_path, _attention_supported(attention),
+                                           SD3JointProcessor, "norm_scale_shift (rms)")
+            elif fp8_dtype is None:
+                report.skipped.append(f"{attention_path}: no q/k norm (SD3); attention stays as diffusers wrote it")
         if not _block_supported(block):
             report.skipped.append(f"{path}: another block type, or norms with affine parameters or of another type")
-        else:
-            norm1 = _ada_layer_norm_zero_x_forward if block.use_dual_attention else flux._ada_layer_norm_zero_forward
-            context_norm1 = (_ada_layer_norm_continuous_forward if block.context_pre_only
-                             else flux._ada_layer_norm_zero_forward)
-            for name, forward in (("norm1", norm1), ("norm1_context", context_norm1)):
-                if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}", forward):
-                    report.replaced.append((f"{path}.{name}", "norm_scale_shift"))
-            feed_forwards = {f"{path}.{name}": getattr(block, name)
-                             for name in (("ff",) if block.context_pre_only else ("ff", "ff_context"))}
-            fp8 = fp8_dtype is not None and quantize.replace_fed_with_feed_forwards(patches, report, [], feed_forwards,
-                                                                                    fp8_dtype, path)
-            if patching.replace_forward(patches, report, block, path, _JOINT_BLOCK_FORWARDS[fp8]):
-                norm2s = f"{path}.norm2" + ("" if block.context_pre_only else f", {path}.norm2_context")
-                report.replaced.append((norm2s, "residual_norm_scale_shift" + ("_fp8" if fp8 else "")))
-        for name in ("attn", "attn2"):
-            attention = getattr(block, name)
-            if attention is None:
-                continue
-            if attention.norm_q is None:  # SD3: nothing of its attention is ditops'
-                report.skipped.append(f"{path}.{name}: no q/k norm (SD3); attention stays as diffusers wrote it")
-                continue
-            patching.replace_processor(patches, report, attention, f"{path}.{name}", _attention_supported(attention),
-                                       SD3QKNormProcessor, "norm_scale_shift (rms)")
+            continue
+        rows = fp8_dtype is not None and _quantize_attentions(attentions, path, patches, report, fp8_dtype)
+        norm1 = "zero_x" if block.use_dual_attention else "zero"
+        context_norm1 = "continuous" if block.context_pre_only else "zero"
+        for name, form in (("norm1", norm1), ("norm1_context", context_norm1)):
+            if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
+                                        _NORM1_FORWARDS[rows][form]):
+                report.replaced.append((f"{path}.{name}", "norm_scale_shift" + ("_fp8" if rows else "")))
+        feed_forwards = {f"{path}.{name}": getattr(block, name)
+                         for name in (("ff",) if block.context_pre_only else ("ff", "ff_context"))}
+        fp8 = fp8_dtype is not None and quantize.replace_fed_with_feed_forwards(patches, report, [], feed_forwards,
+                                                                                fp8_dtype, path)
+        if patching.replace_forward(patches, report, block, path, _JOINT_BLOCK_FORWARDS[fp8]):
+            norm2s = f"{path}.norm2" + ("" if block.context_pre_only else f", {path}.norm2_context")
+            report.replaced.append((norm2s, "residual_norm_scale_shift" + ("_fp8" if fp8 else "")))
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
+
+
+def _quantize_attentions(attentions: dict, path, patches, report, fp8_dtype) -> bool:
+    """The Linears the block's AdaLN norms feed -> FP8 (q/k/v of each attention, the text
+    stream's too); True where those norms may give them FP8 rows. Projections with no q/k norm
+    between them and the attention (SD3) become one GEMM per stream: SD3.5's stay apart, since
+    a per-head norm on a slice of a joint output would copy it first."""
+    for attention_path, attention in attentions.items():
+        if attention.norm_q is None:  # SD3: ditops' processor is there to take the rows
+            patching.replace_processor(patches, report, attention, attention_path, _attention_supported(attention),
+                                       SD3JointProcessor, "FP8 rows to q/k/v")
+    if not all(quantize.takes_rows(report, attention, SD3JointProcessor, path) for attention in attentions.values()):
+        return False
+    linears = [linear for attention_path, attention in attentions.items()
+               for linear in quantize.fed(attention, _QKV + (_ADDED_QKV if attention.added_kv_proj_dim else ()),
+                                          attention_path)]
+    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
+        return False
+    for attention_path, attention in attentions.items():
+        if attention.norm_q is None:
+            joints = {"to_qkv": _QKV, **({"to_added_qkv": _ADDED_QKV} if attention.added_kv_proj_dim else {})}
+            quantize.join_projections(patches, report, attention, attention_path, joints)
+    return True
