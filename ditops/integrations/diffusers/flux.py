@@ -115,19 +115,12 @@ def after_attention(block, outputs, hidden_states, encoder_hidden_states, modula
     return encoder_hidden_states, hidden_states
 
 
-_ada_layer_norm_zero_forward = _ada_layer_norm_zero_forward_of(_norm)
-_ada_layer_norm_zero_single_forward = _ada_layer_norm_zero_single_forward_of(_norm)
-_double_block_forward = _double_block_forward_of(_residual_norm)
-_FP8_FORWARDS = {
-    _ada_layer_norm_zero_forward: _ada_layer_norm_zero_forward_of(_norm_fp8),
-    _ada_layer_norm_zero_single_forward: _ada_layer_norm_zero_single_forward_of(_norm_fp8),
-    _double_block_forward: _double_block_forward_of(_residual_norm_fp8),
-}
-
-
-def _forward(function, fp8: bool):
-    """A ditops forward, or its FP8 form (its norm gives FP8 rows)."""
-    return _FP8_FORWARDS[function] if fp8 else function
+# The forwards by whether their norms give FP8 rows, {fp8: forward}, as in every model module.
+_NORM_FORWARDS = {fp8: _ada_layer_norm_zero_forward_of(_norm_fp8 if fp8 else _norm) for fp8 in (False, True)}
+_SINGLE_NORM_FORWARDS = {fp8: _ada_layer_norm_zero_single_forward_of(_norm_fp8 if fp8 else _norm)
+                         for fp8 in (False, True)}
+_DOUBLE_BLOCK_FORWARDS = {fp8: _double_block_forward_of(_residual_norm_fp8 if fp8 else _residual_norm)
+                          for fp8 in (False, True)}
 
 
 def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -228,9 +221,9 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
                for norm in (block.norm1.norm, block.norm1_context.norm, block.norm2, block.norm2_context)):
             for name in ("norm1", "norm1_context"):
                 if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
-                                            _forward(_ada_layer_norm_zero_forward, fp8)):
+                                            _NORM_FORWARDS[fp8]):
                     report.replaced.append((f"{path}.{name}", "norm_scale_shift" + suffix))
-            if patching.replace_forward(patches, report, block, path, _forward(_double_block_forward, fp8)):
+            if patching.replace_forward(patches, report, block, path, _DOUBLE_BLOCK_FORWARDS[fp8]):
                 report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
         else:
             report.skipped.append(f"{path}: norms with affine parameters or another type")
@@ -242,7 +235,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         if not patching.plain_layer_norm(block.norm.norm):
             report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
         elif patching.replace_forward(patches, report, block.norm, f"{path}.norm",
-                                      _forward(_ada_layer_norm_zero_single_forward, fp8)):
+                                      _SINGLE_NORM_FORWARDS[fp8]):
             report.replaced.append((f"{path}.norm", "norm_scale_shift" + ("_fp8" if fp8 else "")))
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)

@@ -41,7 +41,7 @@ def _bria(forward):
     return bria_forward
 
 
-_BRIA_DOUBLE_BLOCK_FORWARDS = {fp8: _bria(flux._forward(flux._double_block_forward, fp8)) for fp8 in (False, True)}
+_BRIA_DOUBLE_BLOCK_FORWARDS = {fp8: _bria(forward) for fp8, forward in flux._DOUBLE_BLOCK_FORWARDS.items()}
 _bria_single_block_forward_fp8 = _bria(flux._single_block_forward_fp8)
 
 
@@ -121,10 +121,10 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
             suffix = "_fp8" if fp8 else ""
             for name in ("norm1", "norm1_context"):
                 if patching.replace_forward(patches, report, getattr(block, name), f"{path}.{name}",
-                                            flux._forward(flux._ada_layer_norm_zero_forward, fp8)):
+                                            flux._NORM_FORWARDS[fp8]):
                     report.replaced.append((f"{path}.{name}", "norm_scale_shift" + suffix))
             forward = (_BRIA_DOUBLE_BLOCK_FORWARDS[fp8] if type(block) is BriaTransformerBlock
-                       else flux._forward(flux._double_block_forward, fp8))
+                       else flux._DOUBLE_BLOCK_FORWARDS[fp8])
             if patching.replace_forward(patches, report, block, path, forward):
                 report.replaced.append((f"{path}.norm2, {path}.norm2_context", "residual_norm_scale_shift" + suffix))
         else:
@@ -144,7 +144,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         if not _ada_layer_norm_zero(block.norm, True):
             report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
         elif patching.replace_forward(patches, report, block.norm, f"{path}.norm",
-                                      flux._forward(flux._ada_layer_norm_zero_single_forward, fp8)):
+                                      flux._SINGLE_NORM_FORWARDS[fp8]):
             report.replaced.append((f"{path}.norm", "norm_scale_shift" + ("_fp8" if fp8 else "")))
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)

@@ -281,7 +281,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         suffix = "_fp8" if fp8 else ""
         for name in ("norm1", "norm1_context"):
             _patch_norm(patches, report, block, path, name, AdaLayerNormZero,
-                        flux._forward(flux._ada_layer_norm_zero_forward, fp8), "norm_scale_shift" + suffix)
+                        flux._NORM_FORWARDS[fp8], "norm_scale_shift" + suffix)
         forward = _ditops_forward(block, fp8)
         if forward is None:
             report.skipped.append(f"{path}: {type(block).__name__} has another forward than HunyuanVideo's double "
@@ -296,7 +296,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         fp8 = (fp8_dtype is not None and _norm_supported(block.norm, AdaLayerNormZeroSingle)
                and _quantize_single_block(block, path, patches, report, fp8_dtype))
         _patch_norm(patches, report, block, path, "norm", AdaLayerNormZeroSingle,
-                    flux._forward(flux._ada_layer_norm_zero_single_forward, fp8), "norm_scale_shift" + ("_fp8" if fp8 else ""))
+                    flux._SINGLE_NORM_FORWARDS[fp8], "norm_scale_shift" + ("_fp8" if fp8 else ""))
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
 

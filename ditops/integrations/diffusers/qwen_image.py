@@ -111,8 +111,7 @@ def _block_forward_of(first_norm, second_norm):
     return forward
 
 
-_block_forward = _block_forward_of(_first_norm_of(False), _second_norm_of(False))
-_block_forward_fp8 = _block_forward_of(_first_norm_of(True), _second_norm_of(True))
+_BLOCK_FORWARDS = {fp8: _block_forward_of(_first_norm_of(fp8), _second_norm_of(fp8)) for fp8 in (False, True)}
 
 
 class QwenQKNormRopeProcessor(patching.DitopsProcessor):
@@ -180,7 +179,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         norms = (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)
         if not all(patching.plain_layer_norm(norm) and norm.eps == block.img_norm1.eps for norm in norms):
             report.skipped.append(f"{path}: norms with affine parameters, another type or other eps")
-        elif patching.replace_forward(patches, report, block, path, _block_forward_fp8 if fp8 else _block_forward):
+        elif patching.replace_forward(patches, report, block, path, _BLOCK_FORWARDS[fp8]):
             report.replaced += [(f"{path}.img_norm1, {path}.txt_norm1",
                                  f"norm_scale_shift{suffix} (select with modulate_index)"),
                                 (f"{path}.img_norm2, {path}.txt_norm2",

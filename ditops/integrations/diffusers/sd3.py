@@ -56,7 +56,7 @@ def _ada_layer_norm_continuous_forward_of(norm):
 
 
 # The block's first norms, as the attention takes their output: {FP8 rows?: {norm: forward}}
-_NORM1_FORWARDS = {fp8: {"zero": flux._forward(flux._ada_layer_norm_zero_forward, fp8),
+_NORM1_FORWARDS = {fp8: {"zero": flux._NORM_FORWARDS[fp8],
                          "zero_x": _ada_layer_norm_zero_x_forward_of(flux._norm_fp8 if fp8 else flux._norm),
                          "continuous": _ada_layer_norm_continuous_forward_of(flux._norm_fp8 if fp8 else flux._norm)}
                    for fp8 in (False, True)}

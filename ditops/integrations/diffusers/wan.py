@@ -70,8 +70,8 @@ def _skyreels_block_forward_of(fp8: bool):
     return forward
 
 
-_block_forward, _skyreels_block_forward = _block_forward_of(False), _skyreels_block_forward_of(False)
-_FP8_FORWARDS = {_block_forward: _block_forward_of(True), _skyreels_block_forward: _skyreels_block_forward_of(True)}
+_BLOCK_FORWARDS = {fp8: _block_forward_of(fp8) for fp8 in (False, True)}
+_SKYREELS_BLOCK_FORWARDS = {fp8: _skyreels_block_forward_of(fp8) for fp8 in (False, True)}
 
 
 def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, attention_mask, fp8: bool):
@@ -206,17 +206,18 @@ def _code(code) -> tuple:
             code.co_argcount, code.co_kwonlyargcount, code.co_flags)
 
 
-def _ditops_forward(block):
-    """The ditops forward for a block with Wan's layout: by the code of its forward (a copy of
-    WanTransformerBlock's in another module counts as WanTransformerBlock), else None."""
+def _ditops_forwards(block):
+    """The ditops forwards ({fp8: forward}) for a block with Wan's layout: by the code of its
+    forward (a copy of WanTransformerBlock's in another module counts as WanTransformerBlock),
+    else None."""
     from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2TransformerBlock
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
     forward = _code(type(block).forward.__code__)
-    for reference, ditops_forward in ((WanTransformerBlock, _block_forward),
-                                      (SkyReelsV2TransformerBlock, _skyreels_block_forward)):
+    for reference, forwards in ((WanTransformerBlock, _BLOCK_FORWARDS),
+                                (SkyReelsV2TransformerBlock, _SKYREELS_BLOCK_FORWARDS)):
         if forward == _code(reference.forward.__code__):
-            return ditops_forward
+            return forwards
     return None
 
 
@@ -232,15 +233,15 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
                                        QK_NORM_ROPE)
         else:
             report.skipped.append(f"{path}.attn1: {refusal}; its q/k norms and RoPE stay as diffusers wrote them")
-        forward = _ditops_forward(block)
-        if forward is None:
+        forwards = _ditops_forwards(block)
+        if forwards is None:
             report.skipped.append(f"{path}: {type(block).__name__} has Wan's block layout but another forward; "
                                   "its norms stay as diffusers wrote them")
         elif not (_fp32_layer_norm(block.norm1) and _fp32_layer_norm(block.norm3) and _norm2_supported(block.norm2)):
             report.skipped.append(f"{path}: norm1/norm2/norm3 with other parameters or of another type")
         else:
             fp8 = fp8_dtype is not None and _quantize_block(block, path, patches, report, fp8_dtype)
-            if patching.replace_forward(patches, report, block, path, _FP8_FORWARDS[forward] if fp8 else forward):
+            if patching.replace_forward(patches, report, block, path, forwards[fp8]):
                 suffix = "_fp8" if fp8 else ""
                 report.replaced.append((f"{path}.norm1", "norm_scale_shift" + suffix))
                 if not isinstance(block.norm2, torch.nn.Identity):

@@ -72,8 +72,8 @@ def _block_forward_of(first_norm, gated_norm):
     return forward
 
 
-_block_forward = _block_forward_of(_first_norm, _gated_norm)
-_block_forward_fp8 = _block_forward_of(_first_norm_fp8, _gated_norm_fp8)
+_BLOCK_FORWARDS = {False: _block_forward_of(_first_norm, _gated_norm),
+                   True: _block_forward_of(_first_norm_fp8, _gated_norm_fp8)}
 
 
 class ZImageQKNormRopeProcessor(patching.DitopsProcessor):
@@ -128,7 +128,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
             fp8 = block.modulation and fp8_dtype is not None and _quantize_block(block, path, patches, report, fp8_dtype)
             suffix = "_fp8" if fp8 else ""
             if block.modulation and patching.replace_forward(patches, report, block, path,
-                                                             _block_forward_fp8 if fp8 else _block_forward):
+                                                             _BLOCK_FORWARDS[fp8]):
                 report.replaced += [(f"{path}.attention_norm1", "norm_scale_shift" + suffix),
                                     (f"{path}.attention_norm2, {path}.ffn_norm1", "add_gate_norm_scale" + suffix),
                                     (f"{path}.ffn_norm2", "add_gate_norm")]
