@@ -33,14 +33,14 @@ diffusers = pytest.importorskip("diffusers")
 integration = pytest.importorskip("ditops.integrations.diffusers")
 
 sys.path.insert(0, os.path.dirname(__file__))  # the tiny models, also when torchrun runs this file
-from test_diffusers_coverage import tiny_chronoedit, tiny_flux2, tiny_ltx  # noqa: E402
-from test_diffusers_integration import TOLERANCE, tiny_flux, tiny_qwen, tiny_wan  # noqa: E402
+from model_runs import TOLERANCE  # noqa: E402
+from tiny_models import tiny_chronoedit, tiny_flux, tiny_flux2, tiny_ltx, tiny_qwen, tiny_wan  # noqa: E402
 
 
 def coverage_model(builder, blocks):
-    """A tiny model of test_diffusers_coverage.py as this file's builders give one: (model,
-    inputs, blocks) in ``dtype`` (its activations; ids and timesteps as they are). Tiny widths
-    only (real_width is ignored)."""
+    """A float32 tiny model of tiny_models.py (one the coverage tests build) as this file's
+    builders give one: (model, inputs, blocks) in ``dtype`` (its activations; ids and timesteps
+    as they are). Tiny widths only (real_width is ignored)."""
     def build(dtype, real_width=False):
         model, inputs = builder()
         return model.to(dtype), {key: value.to(dtype) if "hidden_states" in key else value

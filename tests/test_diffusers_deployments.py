@@ -12,8 +12,11 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 integration = pytest.importorskip("ditops.integrations.diffusers")
 
+import model_runs  # noqa: E402
+import tiny_models  # noqa: E402
 from diffusers.hooks import HookRegistry, ModelHook  # noqa: E402
-from test_diffusers_integration import TOLERANCE, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image  # noqa: E402
+from model_runs import TOLERANCE  # noqa: E402
+from tiny_models import tiny_flux, tiny_qwen, tiny_wan, tiny_z_image  # noqa: E402
 
 BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": tiny_z_image}
 FIRST_BLOCK = {"flux": "transformer_blocks.0", "wan": "blocks.0", "qwen-image": "transformer_blocks.0",
@@ -241,18 +244,17 @@ def test_regional_compilation_of_the_patched_model_runs_the_ops_in_one_graph_per
 
 def coverage_families() -> dict:
     """Every family test_diffusers_coverage.py patches beyond the four above, as its tiny builder."""
-    import test_diffusers_coverage as coverage
-
-    return {"chroma": coverage.tiny_chroma, "longcat-image": coverage.tiny_longcat_image,
-            "ovis-image": coverage.tiny_ovis_image, "bria": coverage.tiny_bria, "bria-fibo": coverage.tiny_bria_fibo,
-            "wan-vace": coverage.tiny_wan_vace, "wan-animate": coverage.tiny_wan_animate,
-            "chronoedit": coverage.tiny_chronoedit, "skyreels-v2": coverage.tiny_skyreels_v2,
-            "sd3.5": lambda: coverage.tiny_sd3(sd35=True), "flux2": coverage.tiny_flux2,
-            "hunyuan-video": coverage.tiny_hunyuan_video, "hunyuan-video-1.5": coverage.tiny_hunyuan_video15,
-            "hunyuan-image": coverage.tiny_hunyuan_image, "hunyuan-video-framepack": coverage.tiny_hunyuan_video_framepack,
-            "lumina2": coverage.tiny_lumina2, "cosmos-2.5": lambda: coverage.tiny_cosmos(image_context=True),
-            "kandinsky5": coverage.tiny_kandinsky5, "hidream": coverage.tiny_hidream, "ltx-video": coverage.tiny_ltx,
-            "ltx-2": coverage.tiny_ltx2}
+    return {"chroma": tiny_models.tiny_chroma, "longcat-image": tiny_models.tiny_longcat_image,
+            "ovis-image": tiny_models.tiny_ovis_image, "bria": tiny_models.tiny_bria,
+            "bria-fibo": tiny_models.tiny_bria_fibo, "wan-vace": tiny_models.tiny_wan_vace,
+            "wan-animate": tiny_models.tiny_wan_animate, "chronoedit": tiny_models.tiny_chronoedit,
+            "skyreels-v2": tiny_models.tiny_skyreels_v2, "sd3.5": lambda: tiny_models.tiny_sd3(sd35=True),
+            "flux2": tiny_models.tiny_flux2, "hunyuan-video": tiny_models.tiny_hunyuan_video,
+            "hunyuan-video-1.5": tiny_models.tiny_hunyuan_video15, "hunyuan-image": tiny_models.tiny_hunyuan_image,
+            "hunyuan-video-framepack": tiny_models.tiny_hunyuan_video_framepack, "lumina2": tiny_models.tiny_lumina2,
+            "cosmos-2.5": lambda: tiny_models.tiny_cosmos(image_context=True),
+            "kandinsky5": tiny_models.tiny_kandinsky5, "hidream": tiny_models.tiny_hidream,
+            "ltx-video": tiny_models.tiny_ltx, "ltx-2": tiny_models.tiny_ltx2}
 
 
 @pytest.mark.parametrize("hook", ["layerwise casting", "group offload (leaf)", "group offload (block)",
@@ -262,8 +264,6 @@ def test_every_family_under_diffusers_hooks_gives_the_unpatched_result(name, hoo
     """Layerwise casting (float8 storage, float32 compute, on both models), group offloading and
     accelerate's sequential CPU offload applied after ``apply``: the patched output matches the
     unpatched model's (where a hook sits on a fused norm, the call goes back to diffusers' code)."""
-    import test_diffusers_coverage as coverage
-
     if (name, hook) == ("ltx-2", "sequential cpu offload"):
         pytest.skip("fails without ditops in diffusers 0.42.1 / accelerate: AudioVisualModelOutput.__init__() "
                     "missing 1 required positional argument: 'audio_sample'")
@@ -272,7 +272,7 @@ def test_every_family_under_diffusers_hooks_gives_the_unpatched_result(name, hoo
     if hook == "layerwise casting":
         for m in (reference, model):
             m.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    expected = coverage.run(reference, inputs)
+    expected = model_runs.run(reference, inputs)
     integration.apply(model)
     if hook.startswith("group offload"):
         options = {"offload_type": "leaf_level"} if "leaf" in hook else {"offload_type": "block_level",
@@ -283,7 +283,7 @@ def test_every_family_under_diffusers_hooks_gives_the_unpatched_result(name, hoo
         accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the warnings naming the hooks
-        patched = coverage.run(model, inputs)
+        patched = model_runs.run(model, inputs)
     assert (patched - expected).norm() / expected.norm() <= TOLERANCE[torch.float32]
 
 

@@ -9,7 +9,6 @@ error of the whole tensor of at most 4 eps) for each block the signal went throu
 import subprocess
 import sys
 import types
-import warnings
 
 import pytest
 import torch
@@ -17,49 +16,8 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 integration = pytest.importorskip("ditops.integrations.diffusers")
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
-
-
-# real_width: the attention of the real model (heads x 128, RoPE axes as the model's), all
-# else tiny; for the GPU runs under torchrun (tests/test_diffusers_context_parallel.py).
-REAL_ROPE_AXES = (16, 56, 56)
-
-
-def tiny_flux(dtype, real_width=False):
-    torch.manual_seed(0)
-    heads, head_dim, axes = (24, 128, REAL_ROPE_AXES) if real_width else (2, 16, (4, 4, 8))
-    model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=head_dim,
-        num_attention_heads=heads, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=axes)
-    generator = torch.Generator().manual_seed(1)
-    batch, image_tokens, text_tokens = 2, 12, 5
-    inputs = dict(
-        hidden_states=torch.randn(batch, image_tokens, 8, generator=generator),
-        encoder_hidden_states=torch.randn(batch, text_tokens, 32, generator=generator),
-        pooled_projections=torch.randn(batch, 32, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-    )
-    inputs = {name: value.to(dtype) for name, value in inputs.items()}
-    inputs.update(img_ids=torch.randn(image_tokens, 3, generator=generator) * 8, txt_ids=torch.zeros(text_tokens, 3))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
-        model = model.eval().to(dtype)
-    return model, inputs, 4  # blocks the signal goes through
-
-
-def recorded_calls(monkeypatch, names) -> list:
-    """The names of the ops among `names` that the integration calls, in call order."""
-    calls = []
-    for name in names:
-        original = getattr(integration.ops, name)
-        monkeypatch.setattr(integration.ops, name, lambda *a, _original=original, _name=name, **k: calls.append(_name) or _original(*a, **k))
-    return calls
-
-
-def run(model, inputs) -> torch.Tensor:
-    with torch.no_grad():
-        sample = model(**inputs).sample
-    return torch.stack(sample).float() if isinstance(sample, list) else sample.float()  # Z-Image: one per image
+from model_runs import TOLERANCE, recorded_calls, run  # noqa: E402
+from tiny_models import cast, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image, z_image_noise_mask_call  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -111,56 +69,6 @@ def test_apply_twice_changes_nothing():
     assert not hasattr(model, "_ditops_patches")
 
 
-def cast(model, dtype):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
-        return model.eval().to(dtype)
-
-
-def tiny_wan(dtype, real_width=False):
-    torch.manual_seed(0)
-    heads, head_dim = (12, 128) if real_width else (2, 16)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32)
-    generator = torch.Generator().manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(2, 4, 3, 8, 8, generator=generator).to(dtype),
-                  timestep=torch.tensor([10.0, 500.0]),
-                  encoder_hidden_states=torch.randn(2, 7, 32, generator=generator).to(dtype))
-    return cast(model, dtype), inputs, 2
-
-
-def tiny_qwen(dtype, edit=False, real_width=False):
-    """Qwen-Image; with edit, the zero_cond_t variant whose image tokens after the first
-    image take the second modulation set (modulate_index, Qwen-Image-Edit)."""
-    torch.manual_seed(0)
-    heads, head_dim, axes = (24, 128, REAL_ROPE_AXES) if real_width else (2, 16, (4, 6, 6))
-    model = diffusers.QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=head_dim, num_attention_heads=heads,
-        joint_attention_dim=32, axes_dims_rope=axes, zero_cond_t=edit)
-    generator = torch.Generator().manual_seed(1)
-    shapes = [(1, 4, 4), (1, 2, 4)] if edit else [(1, 4, 4)]
-    tokens = sum(frames * height * width for frames, height, width in shapes)
-    inputs = dict(hidden_states=torch.randn(2, tokens, 16, generator=generator).to(dtype),
-                  encoder_hidden_states=torch.randn(2, 7, 32, generator=generator).to(dtype),
-                  encoder_hidden_states_mask=torch.ones(2, 7), timestep=torch.tensor([0.1, 0.7]).to(dtype),
-                  img_shapes=[shapes] * 2)
-    return cast(model, dtype), inputs, 2
-
-
-def tiny_z_image(dtype, heads: int = 2):
-    """Heads of 32; 3 heads give FFN widths an FP8 GEMM takes (multiples of 16: 96 -> 256)."""
-    torch.manual_seed(0)
-    model = diffusers.ZImageTransformer2DModel(dim=32 * heads, n_layers=2, n_refiner_layers=1, n_heads=heads, n_kv_heads=heads,
-                                               in_channels=4, cap_feat_dim=32, axes_dims=[8, 12, 12],
-                                               axes_lens=[64, 32, 32])
-    generator = torch.Generator().manual_seed(1)
-    inputs = dict(x=[torch.randn(4, 1, 8, 8, generator=generator).to(dtype) for _ in range(2)],
-                  t=torch.tensor([0.3, 0.8]).to(dtype),
-                  cap_feats=[torch.randn(7, 32, generator=generator).to(dtype), torch.randn(9, 32, generator=generator).to(dtype)])
-    return cast(model, dtype), inputs, 4  # a noise refiner, a context refiner and two layers
-
-
 MODELS = {
     "z-image": (tiny_z_image, {"norm_scale_shift", "add_gate_norm_scale", "add_gate_norm", "qk_norm_rope_"}),
     "wan": (tiny_wan, {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_ (norm_over=token)"}),
@@ -206,20 +114,6 @@ def test_z_image_runs_the_gated_add_ops(monkeypatch):
     # three modulated blocks (noise refiner, two layers) run the three norm ops; the context
     # refiner has no modulation; all four attentions run qk_norm_rope_
     assert sorted(calls) == sorted(["norm_scale_shift", "add_gate_norm_scale", "add_gate_norm"] * 3 + ["qk_norm_rope_"] * 4)
-
-
-def z_image_noise_mask_call(model, dtype):
-    """A call of the model's first layer as Z-Image Omni makes it: random noisy and clean
-    modulation inputs and a noise_mask holding both kinds of token."""
-    block, generator = model.layers[0], torch.Generator().manual_seed(5)
-    batch, tokens, embedding = 2, 11, block.adaLN_modulation[0].in_features
-    x = torch.randn(batch, tokens, model.dim, generator=generator).to(dtype)
-    positions = torch.randint(0, 8, (batch * tokens, 3), generator=generator)
-    freqs_cis = model.rope_embedder(positions).view(batch, tokens, -1)
-    noise_mask = torch.randint(0, 2, (batch, tokens), generator=generator)
-    assert 0 < noise_mask.sum() < noise_mask.numel()
-    noisy, clean = (torch.randn(batch, embedding, generator=generator).to(dtype) for _ in range(2))
-    return lambda: block(x, None, freqs_cis, noise_mask=noise_mask, adaln_noisy=noisy, adaln_clean=clean)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -242,58 +242,20 @@ def test_fp8_under_torch_compile_matches_eager():
 
 
 diffusers = pytest.importorskip("diffusers")
+from fp8_checks import FP8_OPS, TINY, fed_and_own_input, in_graph_and_matches_eager, state_copy  # noqa: E402
+from model_runs import block_call, recorded_calls, run  # noqa: E402
+from tiny_models import in_dtype, tiny_cosmos, tiny_flux, tiny_qwen, tiny_wan, z_image_noise_mask_call  # noqa: E402
+
 from ditops.integrations import diffusers as integration  # noqa: E402
-from test_diffusers_integration import (recorded_calls, run, tiny_flux, tiny_qwen, tiny_wan, tiny_z_image,  # noqa: E402
-                                         z_image_noise_mask_call)
-import test_diffusers_coverage as coverage  # noqa: E402
 
-FP8_OPS = ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "norm_scale_shift_select_fp8",
-           "residual_norm_scale_shift_select_fp8", "add_gate_norm_scale_fp8", "quantize_fp8")
 BF16_REASONS = ("wanted both multiples of 16", "an embedder", "context-parallel plan")
-
-
-def _in_dtype(build):
-    """A coverage test's tiny float32 model and inputs (coverage.FLUX_LIKE) in ``dtype``; the
-    position ids stay float32, as tiny_flux's."""
-    def converted(value, dtype):
-        if isinstance(value, list):
-            return [converted(item, dtype) for item in value]
-        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
-    def tiny(dtype):
-        model, inputs = build()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # diffusers' note about casting with .to()
-            model = model.to(dtype)
-        kept = getattr(model, "_keep_in_fp32_modules", None) or ()  # as from_pretrained(torch_dtype=...) keeps them
-        for name, parameter in model.named_parameters():
-            if any(module in name.split(".") for module in kept):
-                parameter.data = parameter.data.float()
-        return model, {name: value if name.endswith("_ids") else converted(value, dtype)
-                       for name, value in inputs.items()}, None
-
-    return tiny
-
-
-FLUX_LIKE = {name: _in_dtype(entry[0]) for name, entry in coverage.FLUX_LIKE.items()}
-TINY = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen, "z-image": lambda dtype: tiny_z_image(dtype, heads=3),
-        **FLUX_LIKE, "flux2": _in_dtype(coverage.tiny_flux2), "hunyuan-video": _in_dtype(coverage.tiny_hunyuan_video),
-        "hunyuan-video-1.5": _in_dtype(coverage.tiny_hunyuan_video15), "sd3": _in_dtype(coverage.tiny_sd3),
-        "sd3.5": _in_dtype(lambda: coverage.tiny_sd3(sd35=True)), "lumina2": _in_dtype(coverage.tiny_lumina2),
-        "cosmos": _in_dtype(coverage.tiny_cosmos), "kandinsky5": _in_dtype(coverage.tiny_kandinsky5),
-        "hidream": _in_dtype(coverage.tiny_hidream), "ltx-video": _in_dtype(coverage.tiny_ltx),
-        "ltx-2": _in_dtype(coverage.tiny_ltx2)}
-
-
-def _state(model) -> dict:
-    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_apply_fp8_runs_every_linear_it_can_in_fp8_and_remove_restores_the_bf16_model(name, monkeypatch):
     model, inputs, _ = TINY[name](torch.bfloat16)
     linears = [path for path, module in model.named_modules() if type(module) is torch.nn.Linear]
-    before, expected = _state(model), run(model, inputs)
+    before, expected = state_copy(model), run(model, inputs)
     calls = recorded_calls(monkeypatch, FP8_OPS)
     report = integration.apply(model, quantize="fp8")
     listed = dict(report.linears)
@@ -362,29 +324,43 @@ def test_flux2_norms_feed_their_projections_fp8_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["hunyuan-video", "hunyuan-video-1.5"])
-def test_hunyuan_video_double_block_norms_feed_their_projections_fp8_rows(name, monkeypatch):
+def test_hunyuan_video_norms_feed_their_projections_fp8_rows(name, monkeypatch):
     """The double blocks' norms feed q/k/v of both streams and the GELU MLPs (GELU + quantisation
-    in one quantize_fp8); the single blocks' norm gives bf16 (the report says why)."""
+    in one quantize_fp8); a single block's norm feeds proj_mlp and q/k/v (its video and text
+    rows sliced as diffusers slices them), and its proj_out input is one quantize_fp8 (1.5 has
+    no single blocks)."""
     model, inputs, _ = TINY[name](torch.bfloat16)
+    singles = len(getattr(model, "single_transformer_blocks", None) or [])
+    assert singles == (2 if name == "hunyuan-video" else 0)
     calls = recorded_calls(monkeypatch, FP8_OPS)
     report = integration.apply(model, quantize="fp8")
     run(model, inputs)
-    assert calls.count("norm_scale_shift_fp8") == 2 * 2
+    assert calls.count("norm_scale_shift_fp8") == 2 * 2 + singles
     assert calls.count("residual_norm_scale_shift_fp8") == 2 * 2
-    kinds = dict(report.linears)
-    fed = {path for path, kind in kinds.items() if kind.startswith("fp8") and "own input" not in kind}
+    fed, own_input = fed_and_own_input(report)
     assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.add_v_proj", "transformer_blocks.0.ff.net.0.proj",
             "transformer_blocks.1.ff_context.net.2"} <= fed
-    singles = [path for path in kinds if path.startswith("single_transformer_blocks")]
-    assert all("own input" in kinds[path] for path in singles if kinds[path].startswith("fp8"))
-    if singles:
-        assert any(entry.startswith("single_transformer_blocks.0.norm: gives bf16") for entry in report.skipped)
+    for index in range(singles):
+        block = f"single_transformer_blocks.{index}"
+        assert {f"{block}.attn.to_q", f"{block}.attn.to_v", f"{block}.proj_mlp", f"{block}.proj_out"} <= fed
+        assert f"{block}.norm.linear" in own_input
+        assert (f"{block}.act_mlp, {block}.proj_out", "quantize_fp8 (attention; GELU)") in report.replaced
+    assert not any("bf16" in line for line in report.skipped)
+
+
+def test_compiled_hunyuan_video_single_block_is_one_graph_and_matches_eager():
+    model, inputs, _ = TINY["hunyuan-video"](torch.bfloat16)
+    integration.apply(model, quantize="fp8")
+    block = model.single_transformer_blocks[0]
+    arguments, keywords = block_call(model, inputs, block)
+    in_graph_and_matches_eager(block, arguments, keywords, ("norm_scale_shift_fp8", "quantize_fp8", "qk_norm_rope_"))
 
 
 FP8_BLOCK_OPS = {"hunyuan-video": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8", "qk_norm_rope_"),
                  "hunyuan-video-1.5": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8",
                                        "qk_norm_rope_"),
-                 "sd3.5": ("residual_norm_scale_shift_fp8", "quantize_fp8", "norm_scale_shift"),
+                 "sd3": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8"),
+                 "sd3.5": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "quantize_fp8", "norm_scale_shift"),
                  "lumina2": ("norm_scale_shift_fp8", "add_gate_norm_scale_fp8", "qk_norm_rope_", "add_gate_norm"),
                  "cosmos": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "residual_norm_scale_shift",
                             "qk_norm_rope_"),
@@ -401,7 +377,7 @@ def test_compiled_fp8_block_is_one_graph_and_matches_eager(name):
     integration.apply(model, quantize="fp8")
     block = {"lumina2": lambda: model.layers[0], "kandinsky5": lambda: model.visual_transformer_blocks[0]}.get(
         name, lambda: model.transformer_blocks[0])()
-    arguments, keywords = coverage.block_call(model, inputs, block)
+    arguments, keywords = block_call(model, inputs, block)
     with torch.no_grad():
         torch._dynamo.reset()
         explained = torch._dynamo.explain(block)(*arguments, **keywords)
@@ -415,32 +391,67 @@ def test_compiled_fp8_block_is_one_graph_and_matches_eager(name):
 
 
 @pytest.mark.parametrize("name", ["sd3", "sd3.5"])
-def test_sd3_residual_norms_feed_the_mlps_fp8_rows(name, monkeypatch):
-    """Each residual norm feeds its GELU MLP FP8 rows (GELU + quantisation one quantize_fp8); the
-    attentions take bf16 and their projections quantise their own input."""
+def test_sd3_norms_feed_the_attentions_and_the_mlps_fp8_rows(name, monkeypatch):
+    """The AdaLN norms feed q/k/v of both streams (and SD3.5's second attention), the residual
+    norms the GELU MLPs (GELU + quantisation one quantize_fp8); SD3's q/k/v, with no q/k norm
+    after them, are one GEMM per stream; the attention outputs quantise their own input."""
     model, inputs, _ = TINY[name](torch.bfloat16)
     calls = recorded_calls(monkeypatch, FP8_OPS)
     report = integration.apply(model, quantize="fp8")
     run(model, inputs)
-    # block 0: image and text streams; block 1 (its text stream ends): the image stream
-    assert calls.count("residual_norm_scale_shift_fp8") == 3 and "norm_scale_shift_fp8" not in calls
-    kinds = dict(report.linears)
-    assert "own input" not in kinds["transformer_blocks.0.ff.net.0.proj"]
-    assert "own input" not in kinds["transformer_blocks.0.ff_context.net.2"]
-    assert "own input" in kinds["transformer_blocks.0.attn.to_q"]
+    # norm1 (SD3.5's first block: modulated twice, for its two attentions) and norm1_context in
+    # both blocks; residual norms: block 0's two streams, block 1's image stream (its text ends)
+    assert calls.count("norm_scale_shift_fp8") == (5 if name == "sd3.5" else 4)
+    assert calls.count("residual_norm_scale_shift_fp8") == 3
+    fed, own_input = fed_and_own_input(report)
+    assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.add_v_proj", "transformer_blocks.1.attn.add_k_proj",
+            "transformer_blocks.0.ff.net.0.proj", "transformer_blocks.0.ff_context.net.2"} <= fed
+    assert {"transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.to_add_out"} <= own_input
+    joined = {path for path, kind in report.replaced if kind.startswith("one FP8 GEMM")}
+    if name == "sd3.5":
+        assert "transformer_blocks.0.attn2.to_k" in fed and not joined
+    else:
+        assert joined == {f"transformer_blocks.{index}.attn.{joint}" for index in range(2)
+                          for joint in ("to_qkv", "to_added_qkv")}
+    assert not any("bf16" in line for line in report.skipped)
+
+
+@pytest.mark.parametrize("name", ["sd3", "sd3.5"])
+def test_sd3_processor_on_fp8_rows_computes_what_it_computes_on_tensors(name):
+    """SD3JointProcessor on FP8 rows of both streams against itself on the tensors they stand for,
+    and for SD3 (no q/k norm of ditops') against diffusers' processor on those tensors: the FP8
+    Linears quantise the tensors again, which may round a value the other way. SD3.5's norms
+    against diffusers' are the bf16 coverage tests'."""
+    from ditops.integrations.diffusers import sd3
+
+    model, _, _ = TINY[name](torch.bfloat16)
+    integration.apply(model, quantize="fp8")
+    attn = model.transformer_blocks[0].attn
+    assert type(attn.processor) is sd3.SD3JointProcessor
+    generator = torch.Generator().manual_seed(7)
+    rows = [Float8Rows(*ditops.quantize_fp8(torch.randn(2, tokens, 32, generator=generator, dtype=torch.bfloat16) * 3))
+            for tokens in (16, 5)]
+    tensors = [part.dequantize(torch.bfloat16) for part in rows]
+    with torch.no_grad():
+        got = attn.processor(attn, *rows)
+        references = [attn.processor(attn, *tensors)] + ([attn.processor.defer(attn, *tensors)] if name == "sd3" else [])
+    for expected in references:
+        for got_stream, expected_stream in zip(got, expected, strict=True):
+            assert got_stream.shape == expected_stream.shape
+            error = (got_stream.float() - expected_stream.float()).norm() / expected_stream.float().norm()
+            assert error < 0.01, error.item()
 
 
 # FP8 rows from the norms, per double block (2 norms, 2 residual norms) and single block (its
-# norm): where the block computes FLUX's math with GELU MLPs and ditops' attention processor.
-# Ovis-Image's MLPs are SwiGLU (all its norms give bf16); FIBO's single blocks run diffusers'
-# generic attention (their norms give bf16).
-FUSED_NORMS = {"chroma": (2, 2), "longcat-image": (2, 2), "bria": (2, 2), "ovis-image": (0, 0), "bria-fibo": (2, 0)}
+# norm): where the block computes FLUX's math with ditops' attention processor. FIBO's single
+# blocks run diffusers' generic attention (their norms give bf16).
+FUSED_NORMS = {"chroma": (2, 2), "longcat-image": (2, 2), "bria": (2, 2), "ovis-image": (2, 2), "bria-fibo": (2, 0)}
 
 
 @pytest.mark.parametrize("name", FUSED_NORMS)
 def test_chroma_and_the_flux_copies_norms_feed_their_projections_fp8_rows(name, monkeypatch):
     double, single = FUSED_NORMS[name]
-    model, inputs, _ = FLUX_LIKE[name](torch.bfloat16)
+    model, inputs, _ = TINY[name](torch.bfloat16)
     calls = recorded_calls(monkeypatch, FP8_OPS)
     report = integration.apply(model, quantize="fp8")
     run(model, inputs)
@@ -448,7 +459,11 @@ def test_chroma_and_the_flux_copies_norms_feed_their_projections_fp8_rows(name, 
     assert calls.count("residual_norm_scale_shift_fp8") == 2 * double
     fed = {path for path, kind in report.linears if kind.startswith("fp8") and "own input" not in kind}
     assert ("transformer_blocks.0.attn.to_q" in fed) == bool(double)
-    assert ("single_transformer_blocks.1.proj_out" in fed) == bool(single)
+    assert ("single_transformer_blocks.1.proj_mlp" in fed) == bool(single)
+    if name == "ovis-image":  # SwiGLU: the rows reach the up projections; the rest quantises its own input
+        _, own_input = fed_and_own_input(report)
+        assert {"transformer_blocks.0.ff.net.0.proj", "transformer_blocks.1.ff_context.net.0.proj"} <= fed
+        assert {"transformer_blocks.0.ff.net.2", "single_transformer_blocks.1.proj_out"} <= own_input
     if not single:
         assert any(entry.startswith("single_transformer_blocks.0") and "bf16" in entry for entry in report.skipped)
 
@@ -597,7 +612,7 @@ def test_lumina2_norms_feed_attention_and_ffn_fp8_rows(monkeypatch):
 def test_cosmos_norm1_and_norm3_feed_the_self_attention_and_ffn_fp8_rows(name, monkeypatch):
     """norm1 feeds attn1's q/k/v, norm3 the FFN's up projection (exact GELU after it: the down
     projection quantises its own input); norm2 feeds the cross-attention, diffusers' processor, bf16."""
-    model, inputs, _ = (TINY["cosmos"] if name == "cosmos" else _in_dtype(lambda: coverage.tiny_cosmos(True)))(
+    model, inputs, _ = (TINY["cosmos"] if name == "cosmos" else in_dtype(lambda: tiny_cosmos(True)))(
         torch.bfloat16)
     calls = recorded_calls(monkeypatch, FP8_OPS)
     report = integration.apply(model, quantize="fp8")

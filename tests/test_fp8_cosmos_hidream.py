@@ -10,9 +10,9 @@ import pytest
 import torch
 
 diffusers = pytest.importorskip("diffusers")
-import test_diffusers_coverage as coverage  # noqa: E402
-from test_diffusers_integration import recorded_calls, run  # noqa: E402
-from test_fp8 import FP8_OPS, _in_dtype  # noqa: E402
+from fp8_checks import FP8_OPS, fed_and_own_input, in_graph_and_matches_eager  # noqa: E402
+from model_runs import block_call, recorded_calls, run  # noqa: E402
+from tiny_models import in_dtype, tiny_cosmos, tiny_hidream  # noqa: E402
 
 from ditops.fp8 import Float8Rows  # noqa: E402
 from ditops.integrations import diffusers as integration  # noqa: E402
@@ -22,13 +22,7 @@ FUSED = FP8_OPS + ("norm_scale_shift", "residual_norm_scale_shift")
 
 
 def _tiny_hidream(experts):
-    return _in_dtype(lambda: coverage.tiny_hidream(experts))(torch.bfloat16)
-
-
-def _fed_and_own_input(report) -> tuple:
-    kinds = dict(report.linears)
-    fed = {path for path, kind in kinds.items() if kind.startswith("fp8") and "own input" not in kind}
-    return fed, {path for path, kind in kinds.items() if "own input" in kind}
+    return in_dtype(lambda: tiny_hidream(experts))(torch.bfloat16)
 
 
 def test_hidream_norm1_feeds_q_k_v_and_norm3_the_dense_ffns_not_the_mixtures_of_experts(monkeypatch):
@@ -43,7 +37,7 @@ def test_hidream_norm1_feeds_q_k_v_and_norm3_the_dense_ffns_not_the_mixtures_of_
     assert calls.count("norm_scale_shift_fp8") == 2 * 2 + 2 and "norm_scale_shift" not in calls
     assert calls.count("residual_norm_scale_shift_fp8") == 2
     assert calls.count("residual_norm_scale_shift") == 2 + 2
-    fed, own_input = _fed_and_own_input(report)
+    fed, own_input = fed_and_own_input(report)
     double, single = "double_stream_blocks.1.block", "single_stream_blocks.0.block"
     assert {f"{double}.attn1.{name}" for name in ("to_q", "to_k", "to_v", "to_q_t", "to_k_t", "to_v_t")} <= fed
     assert {f"{double}.ff_t.w1", f"{double}.ff_t.w3", f"{single}.attn1.to_v"} <= fed
@@ -64,7 +58,7 @@ def test_hidream_dense_ffns_take_fp8_rows_from_every_norm(monkeypatch):
     run(model, inputs)
     assert calls.count("norm_scale_shift_fp8") == calls.count("residual_norm_scale_shift_fp8") == 2 * 2 + 2
     assert "norm_scale_shift" not in calls and "residual_norm_scale_shift" not in calls
-    fed, own_input = _fed_and_own_input(report)
+    fed, own_input = fed_and_own_input(report)
     for block in ("double_stream_blocks.0.block", "single_stream_blocks.1.block"):
         assert {f"{block}.ff_i.w1", f"{block}.ff_i.w3", f"{block}.attn1.to_k"} <= fed
         assert {f"{block}.ff_i.w2", f"{block}.attn1.to_out"} <= own_input
@@ -114,36 +108,20 @@ def test_hidream_fp8_processor_computes_diffusers_processor(single, axes_dim):
         assert error < 0.01, error.item()
 
 
-def _in_graph_and_matches_eager(block, arguments, keywords, ops) -> None:
-    """As test_fp8's test_compiled_fp8_block_is_one_graph_and_matches_eager."""
-    with torch.no_grad():
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(block)(*arguments, **keywords)
-        assert explained.graph_break_count == 0 and len(explained.graphs) == 1
-        for op in ops:
-            assert f"torch.ops.ditops.{op}(" in explained.graphs[0].code, op
-        eager = block(*arguments, **keywords)
-        compiled = torch.compile(block, fullgraph=True)(*arguments, **keywords)
-    eager, compiled = (output if isinstance(output, tuple) else (output,) for output in (eager, compiled))
-    assert len(compiled) == len(eager)
-    for got, want in zip(compiled, eager):
-        assert (got.float() - want.float()).norm() / want.float().norm() < 0.05
-
-
 @pytest.mark.parametrize("blocks", ["double_stream_blocks", "single_stream_blocks"])
 def test_compiled_hidream_fp8_block_is_one_graph_and_matches_eager(blocks):
     """Dense FFNs: diffusers' mixture-of-experts inference loops over data-dependent counts."""
     model, inputs, _ = _tiny_hidream(experts=0)
     integration.apply(model, quantize="fp8")
     block = getattr(model, blocks)[0]
-    arguments, keywords = coverage.block_call(model, inputs, block)
-    _in_graph_and_matches_eager(block, arguments, keywords, ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8",
-                                                             "quantize_fp8"))
+    arguments, keywords = block_call(model, inputs, block)
+    in_graph_and_matches_eager(block, arguments, keywords, ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8",
+                                                            "quantize_fp8"))
 
 
 @pytest.mark.parametrize("image_context", [False, True], ids=["cosmos-1.0", "cosmos-2.5"])
 def test_cosmos_report_says_norm2_gives_bf16_and_why(image_context):
-    model, _, _ = _in_dtype(lambda: coverage.tiny_cosmos(image_context))(torch.bfloat16)
+    model, _, _ = in_dtype(lambda: tiny_cosmos(image_context))(torch.bfloat16)
     report = integration.apply(model, quantize="fp8")
     assert [line for line in report.skipped if ".norm2:" in line] == [
         f"transformer_blocks.{index}.norm2: gives bf16 (it feeds the cross-attention, diffusers' processor, which "
@@ -153,12 +131,12 @@ def test_cosmos_report_says_norm2_gives_bf16_and_why(image_context):
 
 def test_compiled_cosmos_25_fp8_block_is_one_graph_and_matches_eager():
     """Cosmos 2.5's blocks: per-frame [B, S, D] modulation and the image-context cross-attention."""
-    model, inputs, _ = _in_dtype(lambda: coverage.tiny_cosmos(image_context=True))(torch.bfloat16)
+    model, inputs, _ = in_dtype(lambda: tiny_cosmos(image_context=True))(torch.bfloat16)
     integration.apply(model, quantize="fp8")
     block = model.transformer_blocks[0]
-    arguments, keywords = coverage.block_call(model, inputs, block)
+    arguments, keywords = block_call(model, inputs, block)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="ditops")  # no hook fallback: the fused block is what is compiled
-        _in_graph_and_matches_eager(block, arguments, keywords, ("norm_scale_shift_fp8",
-                                                                 "residual_norm_scale_shift_fp8",
-                                                                 "residual_norm_scale_shift", "qk_norm_rope_"))
+        in_graph_and_matches_eager(block, arguments, keywords, ("norm_scale_shift_fp8",
+                                                                "residual_norm_scale_shift_fp8",
+                                                                "residual_norm_scale_shift", "qk_norm_rope_"))

@@ -9,26 +9,26 @@ import pytest
 import torch
 
 diffusers = pytest.importorskip("diffusers")
-import test_diffusers_coverage as coverage  # noqa: E402
-from test_diffusers_integration import recorded_calls, run  # noqa: E402
-from test_fp8 import FP8_OPS, TINY, _in_dtype, _state  # noqa: E402
+from fp8_checks import FP8_OPS, TINY, state_copy  # noqa: E402
+from model_runs import block_call, recorded_calls, run  # noqa: E402
+from tiny_models import built, in_dtype, tiny_ltx2  # noqa: E402
 
 from ditops.fp8 import Float8Linear, Float8Rows  # noqa: E402
 from ditops.integrations import diffusers as integration  # noqa: E402
 
 
 def _tiny_ltx23_wide():
-    """LTX-2.3's options (coverage.tiny_ltx2(ltx23=True)) with 16 heads per stream, so that the
-    per-head gate logits (D -> heads) can be FP8 GEMMs."""
-    model = coverage.built(diffusers.LTX2VideoTransformer3DModel, in_channels=8, out_channels=8, num_attention_heads=16,
-                           attention_head_dim=8, cross_attention_dim=128, audio_in_channels=4, audio_out_channels=4,
-                           audio_num_attention_heads=16, audio_attention_head_dim=4, audio_cross_attention_dim=64,
-                           num_layers=2, caption_channels=24, rope_type="split", cross_attn_mod=True,
-                           audio_cross_attn_mod=True, gated_attn=True, audio_gated_attn=True, perturbed_attn=True)
-    return model, coverage.tiny_ltx2("split", ltx23=True)[1]
+    """LTX-2.3's options (tiny_ltx2(ltx23=True)) with 16 heads per stream, so that the per-head
+    gate logits (D -> heads) can be FP8 GEMMs."""
+    model = built(diffusers.LTX2VideoTransformer3DModel, in_channels=8, out_channels=8, num_attention_heads=16,
+                  attention_head_dim=8, cross_attention_dim=128, audio_in_channels=4, audio_out_channels=4,
+                  audio_num_attention_heads=16, audio_attention_head_dim=4, audio_cross_attention_dim=64,
+                  num_layers=2, caption_channels=24, rope_type="split", cross_attn_mod=True,
+                  audio_cross_attn_mod=True, gated_attn=True, audio_gated_attn=True, perturbed_attn=True)
+    return model, tiny_ltx2("split", ltx23=True)[1]
 
 
-MODELS = {"ltx-video": TINY["ltx-video"], "ltx-2": TINY["ltx-2"], "ltx-2.3": _in_dtype(_tiny_ltx23_wide)}
+MODELS = {"ltx-video": TINY["ltx-video"], "ltx-2": TINY["ltx-2"], "ltx-2.3": in_dtype(_tiny_ltx23_wide)}
 
 _LTX2_FED = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "audio_attn1.to_v", "audio_to_video_attn.to_q",
              "audio_to_video_attn.to_k", "video_to_audio_attn.to_v", "attn2.to_q", "audio_attn2.to_q", "ff.net.0.proj",
@@ -62,7 +62,7 @@ def test_ltx_norms_feed_their_projections_fp8_rows(name, monkeypatch):
     rows and are reported as fed, the others get tensors and quantise their own input; remove
     gives the bf16 model back bit for bit."""
     model, inputs, _ = MODELS[name](torch.bfloat16)
-    before, expected = _state(model), run(model, inputs)
+    before, expected = state_copy(model), run(model, inputs)
     report = integration.apply(model, quantize="fp8")
     calls = recorded_calls(monkeypatch, FP8_OPS)
     seen = _inputs_seen(model)
@@ -98,7 +98,7 @@ def test_ltx23_gate_logits_no_fp8_gemm_takes_keep_the_blocks_norms_bf16(monkeypa
     """With 2 heads the gate logits (D -> 2) cannot be FP8: FP8 rows would reach a bf16 Linear,
     so every block's norms give bf16 and the report names the gates; the other Linears still
     run FP8, quantising their own input."""
-    model, inputs, _ = _in_dtype(lambda: coverage.tiny_ltx2("split", ltx23=True))(torch.bfloat16)
+    model, inputs, _ = in_dtype(lambda: tiny_ltx2("split", ltx23=True))(torch.bfloat16)
     expected = run(model, inputs)
     report = integration.apply(model, quantize="fp8")
     calls = recorded_calls(monkeypatch, FP8_OPS)
@@ -138,7 +138,7 @@ def test_compiled_fp8_ltx_block_is_one_graph_and_matches_eager(name, monkeypatch
     model, inputs, _ = MODELS[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
     block = model.transformer_blocks[0]
-    arguments, keywords = coverage.block_call(model, inputs, block)
+    arguments, keywords = block_call(model, inputs, block)
     with torch.no_grad():
         calls = recorded_calls(monkeypatch, FP8_OPS)
         eager = block(*arguments, **keywords)

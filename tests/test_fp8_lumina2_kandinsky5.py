@@ -10,10 +10,8 @@ import pytest
 import torch
 
 diffusers = pytest.importorskip("diffusers")
-import test_diffusers_coverage as coverage  # noqa: E402
-from test_diffusers_integration import recorded_calls, run  # noqa: E402
-from test_fp8 import FP8_OPS, TINY, _state  # noqa: E402
-from test_fp8_cosmos_hidream import _fed_and_own_input, _in_graph_and_matches_eager  # noqa: E402
+from fp8_checks import FP8_OPS, TINY, fed_and_own_input, in_graph_and_matches_eager, state_copy  # noqa: E402
+from model_runs import block_call, recorded_calls, run  # noqa: E402
 
 from ditops.integrations import diffusers as integration  # noqa: E402
 
@@ -35,7 +33,7 @@ def test_lumina2_fused_calls_and_what_each_linear_takes(monkeypatch):
     calls = recorded_calls(monkeypatch, FUSED)
     report = integration.apply(model, quantize="fp8")
     run(model, inputs)
-    fed, own_input = _fed_and_own_input(report)
+    fed, own_input = fed_and_own_input(report)
     assert calls.count("norm_scale_shift_fp8") == calls.count("add_gate_norm_scale_fp8") == len(LUMINA2_MODULATED)
     assert calls.count("add_gate_norm") == len(LUMINA2_MODULATED)
     assert "norm_scale_shift" not in calls and "add_gate_norm_scale" not in calls
@@ -57,7 +55,7 @@ def test_kandinsky5_fused_calls_and_what_each_linear_takes(monkeypatch):
     calls = recorded_calls(monkeypatch, FUSED)
     report = integration.apply(model, quantize="fp8")
     run(model, inputs)
-    fed, own_input = _fed_and_own_input(report)
+    fed, own_input = fed_and_own_input(report)
     assert calls.count("norm_scale_shift_fp8") == calls.count("residual_norm_scale_shift_fp8") == len(KANDINSKY5_BLOCKS)
     assert calls.count("residual_norm_scale_shift") == 2 and "norm_scale_shift" not in calls
     assert calls.count("quantize_fp8") == len(own_input)
@@ -99,13 +97,13 @@ def test_a_hook_on_a_fed_linear_keeps_its_blocks_norms_bf16_and_remove_restores_
     linear, block, other, norm_calls = HOOKED_FED_LINEAR[name]
     seen = []
     model.get_submodule(linear).register_forward_hook(lambda *arguments: seen.append(True))
-    before, expected = _state(model), run(model, inputs)
+    before, expected = state_copy(model), run(model, inputs)
     calls = recorded_calls(monkeypatch, FUSED)
     report = integration.apply(model, quantize="fp8")
     assert any(line.startswith(f"{block}: its norms give bf16") and linear in line for line in report.skipped)
     kinds = dict(report.linears)
     assert kinds[linear].startswith("bf16: it has a torch forward hook")
-    fed, _ = _fed_and_own_input(report)
+    fed, _ = fed_and_own_input(report)
     assert not any(path.startswith(block + ".") for path in fed) and any(path.startswith(other + ".") for path in fed)
     assert not any(path.startswith(block + ".") and op.endswith("_fp8") for path, op in report.replaced)
     seen.clear()
@@ -156,7 +154,7 @@ def test_compiled_fp8_block_is_one_graph_and_matches_eager(name, block, ops):
     model, inputs, _ = TINY[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
     module = model.get_submodule(block)
-    arguments, keywords = coverage.block_call(model, inputs, module)
+    arguments, keywords = block_call(model, inputs, module)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="ditops")  # no hook fallback: the fused block is what is compiled
-        _in_graph_and_matches_eager(module, arguments, keywords, ops)
+        in_graph_and_matches_eager(module, arguments, keywords, ops)

@@ -18,14 +18,13 @@ so that the generator itself stays exercised. ``DITOPS_FUZZ_SEED`` picks the see
 """
 
 import contextlib
-import fcntl
-import json
 import os
 import random
 import zlib
 
 import pytest
 import torch
+from reliability_summary import record
 
 import ditops
 from ditops import conformance
@@ -315,19 +314,6 @@ def backends_here() -> list:
 
 def _device_for(backend):
     return simulated_device("sm_90") if INTERPRETED and backend == "triton" else contextlib.nullcontext()
-
-
-def record(section: str, data) -> None:
-    """Merges ``{section: data}`` into the JSON file named by DITOPS_RELIABILITY_OUT, if set."""
-    path = os.environ.get("DITOPS_RELIABILITY_OUT")
-    if not path:
-        return
-    with open(path + ".lock", "w") as lock:  # pytest-xdist workers write the same file
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        summary = json.load(open(path)) if os.path.exists(path) else {}
-        summary[section] = data
-        with open(path, "w") as file:
-            json.dump(summary, file, indent=2, sort_keys=True)
 
 
 def test_the_generator_is_deterministic_and_covers_every_op():

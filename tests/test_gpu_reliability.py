@@ -32,7 +32,7 @@ from ditops.ops import PUBLIC
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="threads, streams and CUDA graphs need a GPU")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_fuzz import record  # noqa: E402
+from reliability_summary import record  # noqa: E402
 
 OPS = sorted(PUBLIC)
 ROPE = ("qk_norm_rope_", "rope_")

@@ -254,11 +254,13 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
     return True
 
 
-def _quantize_single_block(block, path, patches, report, fp8_dtype, forward=None) -> bool:
-    """The Linears the block's norm feeds -> FP8 (q/k/v, proj_mlp), and proj_out, fed FP8 rows
-    by the block's ``forward`` (FLUX's single block's: _single_block_forward_fp8); True where
-    the norm may give them FP8 rows."""
-    if not quantize.takes_rows(report, block.attn, FluxQKNormRopeProcessor, path):
+def _quantize_single_block(block, path, patches, report, fp8_dtype, forward=None, processor_class=None,
+                           join: bool = True) -> bool:
+    """The Linears the block's norm feeds -> FP8 (q/k/v, one GEMM where ``join``; proj_mlp), and
+    proj_out, fed FP8 rows by the block's ``forward`` (FLUX's single block's:
+    _single_block_forward_fp8) through ``processor_class`` (FLUX's processor where None); True
+    where the norm may give them FP8 rows."""
+    if not quantize.takes_rows(report, block.attn, processor_class or FluxQKNormRopeProcessor, path):
         return False
     if not (type(block.act_mlp) is torch.nn.GELU and block.act_mlp.approximate == "tanh"):
         report.skipped.append(f"{path}: its norm gives bf16 (act_mlp is not GELU(tanh))")
@@ -266,7 +268,9 @@ def _quantize_single_block(block, path, patches, report, fp8_dtype, forward=None
     linears = quantize.fed(block.attn, _QKV, f"{path}.attn") + quantize.fed(block, ("proj_mlp", "proj_out"), path)
     if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
         return False
-    quantize.join_projections(patches, report, block.attn, f"{path}.attn", {"to_qkv": _QKV})
-    if patching.replace_forward(patches, report, block, path, forward or _single_block_forward_fp8):
-        report.replaced.append((f"{path}.act_mlp, {path}.proj_out", "quantize_fp8 (attention; GELU)"))
+    if join:
+        quantize.join_projections(patches, report, block.attn, f"{path}.attn", {"to_qkv": _QKV})
+    if not patching.replace_forward(patches, report, block, path, forward or _single_block_forward_fp8):
+        return False
+    report.replaced.append((f"{path}.act_mlp, {path}.proj_out", "quantize_fp8 (attention; GELU)"))
     return True

@@ -312,24 +312,13 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
 
 
 def _quantize_single_block(block, path, patches, report, fp8_dtype) -> bool:
-    """The Linears the single block's norm feeds -> FP8 (q/k/v, proj_mlp), and proj_out, fed FP8
-    rows by _single_block_forward_fp8; True where the norm may give them FP8 rows (the block
-    computes diffusers' single block, ditops' processor, a GELU(tanh) MLP)."""
+    """flux._quantize_single_block for a block computing diffusers' HunyuanVideo single block,
+    fed by _single_block_forward_fp8 through ditops' processor (whose projections stay apart)."""
     from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoSingleTransformerBlock
 
     if wan._code(type(block).forward.__code__) != wan._code(HunyuanVideoSingleTransformerBlock.forward.__code__):
-        report.skipped.append(f"{path}.norm: gives bf16 ({type(block).__name__} has another forward than "
+        report.skipped.append(f"{path}: its norm gives bf16 ({type(block).__name__} has another forward than "
                               "HunyuanVideo's single block)")
         return False
-    if not quantize.takes_rows(report, block.attn, HunyuanVideoQKNormRopeProcessor, path):
-        return False
-    if not (type(block.act_mlp) is torch.nn.GELU and block.act_mlp.approximate == "tanh"):
-        report.skipped.append(f"{path}.norm: gives bf16 (act_mlp is not GELU(tanh))")
-        return False
-    linears = quantize.fed(block.attn, _QKV, f"{path}.attn") + quantize.fed(block, ("proj_mlp", "proj_out"), path)
-    if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
-        return False
-    if not patching.replace_forward(patches, report, block, path, _single_block_forward_fp8):
-        return False  # diffusers' forward slices the norm's output: it takes a tensor
-    report.replaced.append((f"{path}.act_mlp, {path}.proj_out", "quantize_fp8 (attention; GELU)"))
-    return True
+    return flux._quantize_single_block(block, path, patches, report, fp8_dtype, _single_block_forward_fp8,
+                                       HunyuanVideoQKNormRopeProcessor, join=False)

@@ -173,11 +173,11 @@ def _swiglu_feed_forward(ff) -> bool:
             and type(net[2]) is torch.nn.Linear)
 
 
-def _feed_forward_linears(ff, path: str) -> list:
+def _feed_forward_linears(ff, path: str, gelu: bool) -> list:
     """The Linears of a FeedForward that FP8 rows reach, as replace_fed takes them: a GELU-tanh
     FeedForward's up and down projections, a SwiGLU one's up projection."""
     up = [(ff.net[0], "proj", f"{path}.net.0.proj")]
-    return up + [(ff.net, "2", f"{path}.net.2")] if _gelu_tanh_feed_forward(ff) else up
+    return up + [(ff.net, "2", f"{path}.net.2")] if gelu else up
 
 
 def _feed_forward_fp8(self, hidden_states, *args, **kwargs):
@@ -196,17 +196,17 @@ def replace_fed_with_feed_forwards(patches: list, report: Report, linears: list,
     ({path: module}) that ``owner``'s norms feed, each of them diffusers' GELU-tanh FeedForward,
     then wired with its GELU and quantisation fused, or its SwiGLU one; False where one is
     another kind (the report says which) or replace_fed refuses."""
-    others = [path for path, ff in feed_forwards.items() if not (_gelu_tanh_feed_forward(ff)
-                                                                  or _swiglu_feed_forward(ff))]
+    gelu = {path for path, ff in feed_forwards.items() if _gelu_tanh_feed_forward(ff)}  # before replace_fed
+    others = [path for path, ff in feed_forwards.items() if path not in gelu and not _swiglu_feed_forward(ff)]
     if others:
         report.skipped.append(
             f"{owner}: its norms give bf16 ({', '.join(others)}: not diffusers' GELU-tanh or SwiGLU FeedForward)")
         return False
     for path, ff in feed_forwards.items():
-        linears = linears + _feed_forward_linears(ff, path)
+        linears = linears + _feed_forward_linears(ff, path, path in gelu)
     if not replace_fed(patches, report, linears, fp8_dtype, owner):
         return False
     for path, ff in feed_forwards.items():
-        if _gelu_tanh_feed_forward(ff) and patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
+        if path in gelu and patching.replace_forward(patches, report, ff, path, _feed_forward_fp8):
             report.replaced.append((path, "quantize_fp8 (GELU)"))
     return True
