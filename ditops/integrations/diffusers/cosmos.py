@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from ...fp8 import Float8Rows
 from . import flux, patching, quantize
 
 _NORMS = ("norm1", "norm2", "norm3")
@@ -94,8 +93,7 @@ class CosmosQKNormRopeProcessor(patching.DitopsProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if (image_rotary_emb is None or encoder_hidden_states is not None or attention_mask is not None
-                or not patching.norms_taken(attn, self.bypassed, attn.to_q.out_dtype if isinstance(
-                    hidden_states, Float8Rows) else hidden_states.dtype)):
+                or not patching.norms_taken(attn, self.bypassed, patching.activation_dtype(hidden_states, attn.to_q))):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 

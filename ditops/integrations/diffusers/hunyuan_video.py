@@ -155,15 +155,12 @@ class HunyuanVideoQKNormRopeProcessor(patching.DitopsProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         single = attn.add_q_proj is None  # a single block: one projection of the video rows, then the text rows
         bypassed = self.bypassed[:2] if single else self.bypassed
-        # FP8 rows (quantize="fp8": the double blocks' norms feed them) stand for the projections' output dtype
-        dtype = attn.to_q.out_dtype if isinstance(hidden_states, Float8Rows) else hidden_states.dtype
         if (image_rotary_emb is None or encoder_hidden_states is None or self._unsupported_mask(attention_mask)
-                or not patching.norms_taken(attn, bypassed, dtype)):
+                or not patching.norms_taken(attn, bypassed, patching.activation_dtype(hidden_states, attn.to_q))):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         cache = patching.cos_sin_cache(*image_rotary_emb)
         if single:
-            text = (encoder_hidden_states.data if isinstance(encoder_hidden_states, Float8Rows)
-                    else encoder_hidden_states).shape[1]
+            text = patching.batch_and_tokens(encoder_hidden_states)[1]
             query, key, value = _heads(attn, ("to_q", "to_k", "to_v"), _joined(hidden_states, encoder_hidden_states))
             video_query, video_key = query[:, :-text], key[:, :-text]
             text_query, text_key = _rms(query[:, -text:], attn.norm_q), _rms(key[:, -text:], attn.norm_k)
@@ -260,10 +257,6 @@ def _patch_attention(patches, report, block, path) -> None:
                                "qk_norm_rope_, norm_scale_shift (rms)")
 
 
-_QKV = ("to_q", "to_k", "to_v")
-_ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
-
-
 def patch(model, patches: list, report, fp8_dtype=None) -> None:
     """Patches the double and single blocks; with ``fp8_dtype`` their Linears run FP8, a double
     block's fed FP8 rows by its norms where every one of them is patched, its processor is
@@ -306,7 +299,7 @@ def _quantize_double_block(block, path, patches, report, fp8_dtype) -> bool:
     MLPs' GELU + quantisation fused); True where the norms may give them FP8 rows."""
     if not quantize.takes_rows(report, block.attn, HunyuanVideoQKNormRopeProcessor, path):
         return False
-    projections = quantize.fed(block.attn, _QKV + _ADDED_QKV, f"{path}.attn")
+    projections = quantize.fed(block.attn, flux._QKV + flux._ADDED_QKV, f"{path}.attn")
     feed_forwards = {f"{path}.{name}": getattr(block, name) for name in ("ff", "ff_context")}
     return quantize.replace_fed_with_feed_forwards(patches, report, projections, feed_forwards, fp8_dtype, path)
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from ...fp8 import Float8Rows
 from . import flux, patching, quantize
 
 _TEXT_NORMS = ("self_attention_norm", "feed_forward_norm")
@@ -107,8 +106,8 @@ class Kandinsky5QKNormRopeProcessor(patching.DitopsProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None):
         if (rotary_emb is None or encoder_hidden_states is not None or sparse_params is not None
-                or not patching.norms_taken(attn, self.bypassed, attn.to_query.out_dtype if isinstance(
-                    hidden_states, Float8Rows) else hidden_states.dtype)):
+                or not patching.norms_taken(attn, self.bypassed,
+                                            patching.activation_dtype(hidden_states, attn.to_query))):
             return self.defer(attn, hidden_states, encoder_hidden_states, rotary_emb, sparse_params)
         query, key, value = (projection(hidden_states).unflatten(-1, (attn.num_heads, -1))
                              for projection in (attn.to_query, attn.to_key, attn.to_value))

@@ -230,11 +230,6 @@ def _rows(x, head_dim):
     return x.reshape(-1, 1, head_dim)  # diffusers' norm output: a fresh [B, S, H * Dh] tensor, viewed
 
 
-def _tokens(x) -> tuple:
-    """[B, S] of a [B, S, D] tensor or of FP8 rows (quantize="fp8": a norm feeds the projections)."""
-    return tuple((x.data if isinstance(x, Float8Rows) else x).shape[:2])
-
-
 def _diffusers_rope(x, table, rope_type):
     from diffusers.models.transformers import transformer_ltx2 as ltx2
 
@@ -268,8 +263,10 @@ class LTXRopeProcessor(patching.DitopsProcessor):
         # projections take them (diffusers' processor takes tensors: dequantised, then quantised
         # again by each projection), and rotary_attention applies diffusers' RoPE.
         return ((isinstance(hidden_states, Float8Rows) or not torch.compiler.is_compiling())
-                and _table_fits(query_table, rope_type, *_tokens(hidden_states), attn.inner_dim, attn.head_dim)
-                and _table_fits(key_table, rope_type, *_tokens(context), attn.inner_kv_dim, attn.head_dim))
+                and _table_fits(query_table, rope_type, *patching.batch_and_tokens(hidden_states), attn.inner_dim,
+                                attn.head_dim)
+                and _table_fits(key_table, rope_type, *patching.batch_and_tokens(context), attn.inner_kv_dim,
+                                attn.head_dim))
 
     def rotary_attention(self, attn, hidden_states, context, query_table, key_table, rope_type) -> torch.Tensor:
         """Attention of [B, S, H * Dh] rows, before the output projection; key_table None: the
@@ -287,7 +284,7 @@ class LTXRopeProcessor(patching.DitopsProcessor):
             else:
                 ops.rope_(query, None, _cache(query_table, rope_type, attn.head_dim), interleaved=interleaved)
                 ops.rope_(key, None, _cache(key_table, rope_type, attn.head_dim), interleaved=interleaved)
-        query, key, value = (x.view(*_tokens(source), attn.heads, -1) for x, source in
+        query, key, value = (x.view(*patching.batch_and_tokens(source), attn.heads, -1) for x, source in
                              ((query, hidden_states), (key, context), (attn.to_v(context), context)))
         return self.attention(query, key, value).flatten(2, 3).type_as(query)
 

@@ -149,6 +149,17 @@ def norms_taken(owner, names: tuple, dtype: torch.dtype) -> bool:
     return not hooked(owner, names) and all(getattr(owner, name).weight.dtype == dtype for name in names)
 
 
+def activation_dtype(states, projection) -> torch.dtype:
+    """The dtype of ``states``: a tensor's own, or for FP8 rows (quantize="fp8") the one they stand
+    for, which ``projection``, an FP8 Linear they feed, gives."""
+    return projection.out_dtype if isinstance(states, Float8Rows) else states.dtype
+
+
+def batch_and_tokens(states) -> tuple:
+    """[B, S] of a [B, S, D] tensor or of FP8 rows."""
+    return tuple((states.data if isinstance(states, Float8Rows) else states).shape[:2])
+
+
 # ----- attention processors: diffusers' contract --------------------------------------------
 
 

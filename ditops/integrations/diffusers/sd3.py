@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from ...fp8 import Float8Rows
 from . import flux, patching, quantize
 
 
@@ -150,7 +149,7 @@ class SD3JointProcessor(patching.DitopsProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
         names = self.bypassed if encoder_hidden_states is not None else self.bypassed[:2]
         norms = tuple(name for name in names if getattr(attn, name) is not None)
-        dtype = attn.to_q.out_dtype if isinstance(hidden_states, Float8Rows) else hidden_states.dtype
+        dtype = patching.activation_dtype(hidden_states, attn.to_q)
         if attention_mask is not None or args or kwargs or not patching.norms_taken(attn, norms, dtype):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         heads = attn.heads
@@ -195,10 +194,6 @@ def _block_supported(block) -> bool:
     return (type(block) is JointTransformerBlock and type(block.norm1) is norm1
             and patching.plain_layer_norm(block.norm1.norm) and type(block.norm1_context) is context_norm1
             and patching.plain_layer_norm(block.norm1_context.norm) and all(map(patching.plain_layer_norm, norm2s)))
-
-
-_QKV = ("to_q", "to_k", "to_v")
-_ADDED_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
 
 
 def patch(model, patches: list, report, fp8_dtype=None) -> None:
@@ -248,12 +243,13 @@ def _quantize_attentions(attentions: dict, path, patches, report, fp8_dtype) -> 
     if not all(quantize.takes_rows(report, attention, SD3JointProcessor, path) for attention in attentions.values()):
         return False
     linears = [linear for attention_path, attention in attentions.items()
-               for linear in quantize.fed(attention, _QKV + (_ADDED_QKV if attention.added_kv_proj_dim else ()),
-                                          attention_path)]
+               for linear in quantize.fed(attention, flux._QKV + (flux._ADDED_QKV if attention.added_kv_proj_dim
+                                                                  else ()), attention_path)]
     if not quantize.replace_fed(patches, report, linears, fp8_dtype, path):
         return False
     for attention_path, attention in attentions.items():
         if attention.norm_q is None:
-            joints = {"to_qkv": _QKV, **({"to_added_qkv": _ADDED_QKV} if attention.added_kv_proj_dim else {})}
+            added = {"to_added_qkv": flux._ADDED_QKV} if attention.added_kv_proj_dim else {}
+            joints = {"to_qkv": flux._QKV, **added}
             quantize.join_projections(patches, report, attention, attention_path, joints)
     return True
