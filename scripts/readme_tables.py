@@ -26,7 +26,7 @@ DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
 
 BENCH = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-26.json", "H200": RESULTS / "NVIDIA-H200_2026-11-26.json"}
 MODELS = {"H100": RESULTS / "models_H100_2026-11-27.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
-MULTIGPU = RESULTS / "multigpu_H100x2_2026-11-25.json"
+MULTIGPU = {"H100x2": RESULTS / "multigpu_H100x2_2026-11-25.json", "H200x2": RESULTS / "multigpu_H200x2_2026-11-28.json"}
 # the FP8 ops' and qk_norm_rope_'s `ditops bench --ops` runs
 BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-28.json", "H200": RESULTS / "NVIDIA-H200_2026-11-28.json"}
 FP8 = {"H100": RESULTS / "fp8_H100_2026-11-28.json", "H200": RESULTS / "fp8_H200_2026-11-28.json"}
@@ -172,11 +172,12 @@ def fp8_headline() -> str:
     return "\n".join(lines)
 
 
-def multigpu_full() -> str:
-    """The `benchmarks/multigpu.py` file, as `multigpu.py --table` prints it."""
-    document = json.loads(MULTIGPU.read_text())
-    return (f"**{document['device']}, {document['date']} (`{_relative(MULTIGPU)}`)**\n\n"
-            + _benchmark_module("multigpu").table(MULTIGPU))
+def multigpu_full(gpus: str) -> str:
+    """A `benchmarks/multigpu.py` file, as `multigpu.py --table` prints it."""
+    path = MULTIGPU[gpus]
+    document = json.loads(path.read_text())
+    return (f"**{document['device']}, {document['date']} (`{_relative(path)}`)**\n\n"
+            + _benchmark_module("multigpu").table(path))
 
 
 TABLES = {
@@ -192,7 +193,8 @@ TABLES = {
     "fp8 H200": lambda: fp8_full("H200"),
     "models H100": lambda: models_full("H100"),
     "models H200": lambda: models_full("H200"),
-    "multigpu": multigpu_full,
+    "multigpu H100x2": lambda: multigpu_full("H100x2"),
+    "multigpu H200x2": lambda: multigpu_full("H200x2"),
 }
 
 
