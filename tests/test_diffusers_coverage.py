@@ -62,8 +62,8 @@ FLUX_LIKE = {
     "longcat-image": (tiny_longcat_image, 2 * 4 + 2 * 2, FLUX_OPS),
     "ovis-image": (tiny_ovis_image, 2 * 4 + 2 * 2, FLUX_OPS),
     "bria": (tiny_bria, 2 * 4 + 2 * 2, FLUX_OPS),
-    # FIBO's single blocks run diffusers' generic Attention: their attention stays
-    "bria-fibo": (tiny_bria_fibo, 2 * 4 + 2 * 1, FLUX_OPS),
+    # FIBO's single blocks run diffusers' generic Attention with diffusers' RMSNorm for q and k
+    "bria-fibo": (tiny_bria_fibo, 2 * 4 + 2 * 2, FLUX_OPS),
 }
 
 
@@ -72,32 +72,25 @@ def test_flux_like_patched_matches_diffusers_and_remove_restores_it(name):
     build, sites, ops = FLUX_LIKE[name]
     model, inputs = build()
     report = assert_patched_matches(model, inputs, 4, sites, ops)
-    if name == "bria-fibo":
-        assert report.skipped == [f"single_transformer_blocks.{i}.attn: processor BriaAttnProcessor or its q/k norms "
-                                  "are not the ones checked" for i in range(2)]
-    else:
-        assert not report.skipped
+    assert not report.skipped
 
 
 @pytest.mark.parametrize("name", FLUX_LIKE)
 def test_flux_like_runs_the_ops(monkeypatch, name):
     calls = patched_calls(monkeypatch, FLUX_LIKE[name][0], sorted(FLUX_OPS))
-    # 2 double blocks: 2 AdaLN + 2 residual norms + 2 RoPE calls (text, image); 2 single blocks: 1 + 1 (FIBO: 1 + 0)
-    single_rope = 0 if name == "bria-fibo" else 2
-    assert calls == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4
-                                   + ["qk_norm_rope_"] * (4 + single_rope))
+    # 2 double blocks: 2 AdaLN + 2 residual norms + 2 RoPE calls (text, image); 2 single blocks: 1 + 1
+    assert calls == sorted(["norm_scale_shift"] * 6 + ["residual_norm_scale_shift"] * 4 + ["qk_norm_rope_"] * 6)
 
 
 @pytest.mark.parametrize("name", FLUX_LIKE)
 def test_flux_like_blocks_trace_as_one_graph(name):
     """A patched double and single block under torch.compile(fullgraph=True): one graph each,
-    the ditops ops its nodes (FIBO's single block: its norm alone, its attention is diffusers')."""
+    the ditops ops its nodes."""
     build, _, _ = FLUX_LIKE[name]
     model, inputs = build()
     integration.apply(model)
     for block, ops in ((model.transformer_blocks[0], FLUX_OPS),
-                       (model.single_transformer_blocks[0],
-                        {"norm_scale_shift"} | (set() if name == "bria-fibo" else {"qk_norm_rope_"}))):
+                       (model.single_transformer_blocks[0], {"norm_scale_shift", "qk_norm_rope_"})):
         arguments, keywords = block_call(model, inputs, block)
         assert_traces_as_one_graph(block, arguments, ops, keywords)
 

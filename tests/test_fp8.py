@@ -348,8 +348,9 @@ def test_hunyuan_video_norms_feed_their_projections_fp8_rows(name, monkeypatch):
     assert not any("bf16" in line for line in report.skipped)
 
 
-def test_compiled_hunyuan_video_single_block_is_one_graph_and_matches_eager():
-    model, inputs, _ = TINY["hunyuan-video"](torch.bfloat16)
+@pytest.mark.parametrize("name", ["hunyuan-video", "bria-fibo"])
+def test_compiled_fed_single_block_is_one_graph_and_matches_eager(name):
+    model, inputs, _ = TINY[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
     block = model.single_transformer_blocks[0]
     arguments, keywords = block_call(model, inputs, block)
@@ -442,30 +443,31 @@ def test_sd3_processor_on_fp8_rows_computes_what_it_computes_on_tensors(name):
             assert error < 0.01, error.item()
 
 
-# FP8 rows from the norms, per double block (2 norms, 2 residual norms) and single block (its
-# norm): where the block computes FLUX's math with ditops' attention processor. FIBO's single
-# blocks run diffusers' generic attention (their norms give bf16).
-FUSED_NORMS = {"chroma": (2, 2), "longcat-image": (2, 2), "bria": (2, 2), "ovis-image": (2, 2), "bria-fibo": (2, 0)}
+# FP8 rows from every norm, per double block (2 norms, 2 residual norms) and single block (its
+# norm): the blocks compute FLUX's math with ditops' attention processor (FIBO's single blocks
+# on diffusers' generic Attention).
+FLUX_COPIES = ("chroma", "longcat-image", "bria", "ovis-image", "bria-fibo")
 
 
-@pytest.mark.parametrize("name", FUSED_NORMS)
+@pytest.mark.parametrize("name", FLUX_COPIES)
 def test_chroma_and_the_flux_copies_norms_feed_their_projections_fp8_rows(name, monkeypatch):
-    double, single = FUSED_NORMS[name]
     model, inputs, _ = TINY[name](torch.bfloat16)
     calls = recorded_calls(monkeypatch, FP8_OPS)
     report = integration.apply(model, quantize="fp8")
     run(model, inputs)
-    assert calls.count("norm_scale_shift_fp8") == 2 * double + single, str(report)
-    assert calls.count("residual_norm_scale_shift_fp8") == 2 * double
-    fed = {path for path, kind in report.linears if kind.startswith("fp8") and "own input" not in kind}
-    assert ("transformer_blocks.0.attn.to_q" in fed) == bool(double)
-    assert ("single_transformer_blocks.1.proj_mlp" in fed) == bool(single)
+    assert calls.count("norm_scale_shift_fp8") == 2 * 2 + 2, str(report)
+    assert calls.count("residual_norm_scale_shift_fp8") == 2 * 2
+    fed, own_input = fed_and_own_input(report)
+    assert {"transformer_blocks.0.attn.to_q", "single_transformer_blocks.1.proj_mlp",
+            "single_transformer_blocks.1.attn.to_v"} <= fed
     if name == "ovis-image":  # SwiGLU: the rows reach the up projections; the rest quantises its own input
-        _, own_input = fed_and_own_input(report)
         assert {"transformer_blocks.0.ff.net.0.proj", "transformer_blocks.1.ff_context.net.0.proj"} <= fed
         assert {"transformer_blocks.0.ff.net.2", "single_transformer_blocks.1.proj_out"} <= own_input
-    if not single:
-        assert any(entry.startswith("single_transformer_blocks.0") and "bf16" in entry for entry in report.skipped)
+    else:  # proj_out's input is one quantize_fp8 of [attention, GELU(MLP)]
+        assert "single_transformer_blocks.1.proj_out" in fed
+        assert ("single_transformer_blocks.1.act_mlp, single_transformer_blocks.1.proj_out",
+                "quantize_fp8 (attention; GELU)") in report.replaced
+    assert not any("bf16" in entry for entry in report.skipped), report.skipped
 
 
 def test_flux_projections_fed_the_same_rows_are_one_gemm_and_remove_unjoins_them():

@@ -125,20 +125,26 @@ _DOUBLE_BLOCK_FORWARDS = {fp8: _double_block_forward_of(_residual_norm_fp8 if fp
 
 def _single_block_forward_fp8(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                               joint_attention_kwargs=None):
-    """diffusers' FluxSingleTransformerBlock with FP8 GEMMs: the norm's FP8 rows feed the MLP's
-    up projection and q/k/v; proj_out's input as single_block_output_fp8 takes it."""
+    """diffusers' FluxSingleTransformerBlock with FP8 GEMMs (single_block_fp8) on the text and
+    image tokens together."""
     if self.training or patching.hooked(self, ("act_mlp",)):
         return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                   joint_attention_kwargs)
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    residual = hidden_states
-    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-    mlp_hidden_states = self.proj_mlp(norm_hidden_states)
-    attention = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
-                          **(joint_attention_kwargs or {}))
-    hidden_states = single_block_output_fp8(self, residual, gate, mlp_hidden_states, attention)
+    hidden_states = single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def single_block_fp8(block, hidden_states, temb, image_rotary_emb, joint_attention_kwargs):
+    """A FLUX-shaped single block on one token sequence with FP8 GEMMs: the norm's FP8 rows feed
+    the MLP's up projection and q/k/v; proj_out's input as single_block_output_fp8 takes it."""
+    residual = hidden_states
+    norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
+    mlp_hidden_states = block.proj_mlp(norm_hidden_states)
+    attention = block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                           **(joint_attention_kwargs or {}))
+    return single_block_output_fp8(block, residual, gate, mlp_hidden_states, attention)
 
 
 def single_block_output_fp8(block, residual, gate, mlp_hidden_states, attention):
@@ -168,7 +174,7 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         query, key, value, context_query, context_key, context_value = _get_qkv_projections(
             attn, hidden_states, encoder_hidden_states)
-        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
+        query, key, value = (t.unflatten(-1, (attn.heads, -1)) for t in (query, key, value))
         cache = patching.cos_sin_cache(*image_rotary_emb)
         eps = attn.norm_q.eps
         if attn.added_kv_proj_dim is None:
@@ -177,7 +183,7 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
             # Each stream in place on its own projection, then the concatenation: the same work in
             # eager, and under torch.compile the in-place op writes the projections' buffers
             # directly (on slices of the concatenation Inductor copies each slice out and back).
-            context_query, context_key, context_value = (t.unflatten(-1, (-1, attn.head_dim))
+            context_query, context_key, context_value = (t.unflatten(-1, (attn.heads, -1))
                                                           for t in (context_query, context_key, context_value))
             text = context_query.shape[1]
             context_query, context_key = ops.qk_norm_rope_(context_query, context_key, attn.norm_added_q.weight,

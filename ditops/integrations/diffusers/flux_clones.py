@@ -13,17 +13,19 @@ forwards and processor serve them (flux.py says what they replace):
 - the double blocks' residual add with ``norm2`` / ``norm2_context`` -> ``residual_norm_scale_shift``;
 - the q/k RMSNorms and the RoPE -> ``qk_norm_rope_`` (``flux.FluxQKNormRopeProcessor``).
 
-FIBO's single blocks run diffusers' generic ``Attention`` (diffusers' own RMSNorm, no
-``head_dim``) with Bria's processor: ditops leaves that attention alone and reports it.
+FIBO's single blocks run diffusers' generic ``Attention`` with Bria's processor and
+diffusers' own RMSNorm for q and k (the same math as ``torch.nn.RMSNorm``, in float32): FLUX's
+processor serves it too.
 
 With ``quantize="fp8"`` a block whose processor became ditops' runs FLUX's FP8 forms
 (flux.py): the norms give FP8 rows to the Linears they feed, the double blocks' GELU MLPs
 quantise their hidden state in one pass (Ovis-Image's SwiGLU MLPs take the rows in their up
 projection; the down projection quantises its own input), and LongCat-Image's and Bria's single
 blocks, which compute FLUX's single block, quantise the attention output and GELU(MLP)
-together. Ovis-Image's single block, whose diffusers forward hands its norm's output to
-``proj_mlp`` and the attention alone, keeps that forward: those Linears take the rows, and
-``proj_out`` quantises its own input. FIBO's single blocks keep bf16 norms.
+together; so do FIBO's single blocks, which compute FLUX's single block on one token sequence
+(no text stream beside it). Ovis-Image's single block, whose diffusers forward hands its norm's
+output to ``proj_mlp`` and the attention alone, keeps that forward: those Linears take the rows,
+and ``proj_out`` quantises its own input.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ _BRIA_DOUBLE_BLOCK_FORWARDS = {fp8: _bria(forward) for fp8, forward in flux._DOU
 _bria_single_block_forward_fp8 = _bria(flux._single_block_forward_fp8)
 
 
+def _fibo_single_block_forward_fp8(self, hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
+    """diffusers' BriaFiboSingleTransformerBlock with FP8 GEMMs (flux.single_block_fp8)."""
+    if self.training or patching.hooked(self, ("act_mlp",)):
+        return type(self).forward(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+    return flux.single_block_fp8(self, hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+
+
 def _processors() -> tuple:
     """The clones' processors, each checked against FluxAttnProcessor in diffusers 0.42."""
     from diffusers.models.transformers.transformer_bria import BriaAttnProcessor
@@ -55,12 +64,19 @@ def _processors() -> tuple:
     return BriaAttnProcessor, BriaFiboAttnProcessor, LongCatImageAttnProcessor, OvisImageAttnProcessor
 
 
+def _rms_norm(norm, eps) -> bool:
+    """torch's RMSNorm, or diffusers' (FIBO's generic Attention), with a weight, no bias, at ``eps``."""
+    from diffusers.models.normalization import RMSNorm
+
+    return (type(norm) in (torch.nn.RMSNorm, RMSNorm) and norm.weight is not None
+            and getattr(norm, "bias", None) is None and norm.eps == eps)
+
+
 def _attention_supported(attn) -> bool:
-    if type(attn.processor) not in _processors() or getattr(attn, "head_dim", None) is None:
+    if type(attn.processor) not in _processors() or attn.inner_dim % attn.heads:
         return False
     norms = [attn.norm_q, attn.norm_k] + ([attn.norm_added_q, attn.norm_added_k] if attn.added_kv_proj_dim else [])
-    return attn.heads * attn.head_dim == attn.inner_dim and all(
-        type(norm) is torch.nn.RMSNorm and norm.weight is not None and norm.eps == attn.norm_q.eps for norm in norms)
+    return all(_rms_norm(norm, attn.norm_q.eps) for norm in norms)
 
 
 def _double_blocks() -> tuple:
@@ -80,6 +96,16 @@ def _single_blocks() -> tuple:
     from diffusers.models.transformers.transformer_longcat_image import LongCatImageSingleTransformerBlock
 
     return BriaSingleTransformerBlock, LongCatImageSingleTransformerBlock
+
+
+def _single_block_fp8_forward(block):
+    """The FP8 forward of a single block of _single_blocks() or FIBO's, by its class; None for
+    flux._quantize_single_block's default (FLUX's)."""
+    from diffusers.models.transformers.transformer_bria import BriaSingleTransformerBlock
+    from diffusers.models.transformers.transformer_bria_fibo import BriaFiboSingleTransformerBlock
+
+    return {BriaSingleTransformerBlock: _bria_single_block_forward_fp8,
+            BriaFiboSingleTransformerBlock: _fibo_single_block_forward_fp8}.get(type(block))
 
 
 def _quantize_ovis_single_block(block, path, patches, report, fp8_dtype) -> bool:
@@ -106,7 +132,8 @@ def _ada_layer_norm_zero(norm, single: bool) -> bool:
 def patch(model, patches: list, report, fp8_dtype=None) -> None:
     """Patches the clones' blocks as flux.patch does FLUX's, with ``fp8_dtype`` in FP8 where
     flux.py's FP8 forms compute what the block computes."""
-    from diffusers.models.transformers.transformer_bria import BriaSingleTransformerBlock, BriaTransformerBlock
+    from diffusers.models.transformers.transformer_bria import BriaTransformerBlock
+    from diffusers.models.transformers.transformer_bria_fibo import BriaFiboSingleTransformerBlock
     from diffusers.models.transformers.transformer_ovis_image import OvisImageSingleTransformerBlock
 
     for index, block in enumerate(model.transformer_blocks):
@@ -136,11 +163,10 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         fp8 = False
         if fp8_dtype is not None and type(block) is OvisImageSingleTransformerBlock:
             fp8 = _quantize_ovis_single_block(block, path, patches, report, fp8_dtype)
-        elif fp8_dtype is not None and type(block) not in _single_blocks():
+        elif fp8_dtype is not None and type(block) not in _single_blocks() + (BriaFiboSingleTransformerBlock,):
             report.skipped.append(f"{path}: its norm gives bf16 (a single block of another kind than FLUX's)")
         elif fp8_dtype is not None:
-            forward = _bria_single_block_forward_fp8 if type(block) is BriaSingleTransformerBlock else None
-            fp8 = flux._quantize_single_block(block, path, patches, report, fp8_dtype, forward)
+            fp8 = flux._quantize_single_block(block, path, patches, report, fp8_dtype, _single_block_fp8_forward(block))
         if not _ada_layer_norm_zero(block.norm, True):
             report.skipped.append(f"{path}.norm: a norm with affine parameters or another type")
         elif patching.replace_forward(patches, report, block.norm, f"{path}.norm",
