@@ -6,9 +6,10 @@ from one seed and fed the same inputs: diffusers as is (bf16), torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` applied with ``quantize_``
 (every Linear, as a user would apply it), and ditops FP8. Per model, resolution and mode
 (``eager``, ``compile``, ``reduce-overhead``): the time per forward of each (``bf16_ms``,
-``torchao_ms``, ``ditops_ms``; bf16 in the same mode), their ratios, each FP8 output's relative
-L2 error against diffusers' bf16 eager output, the first call's time of each compiled FP8 model
-(``compile_s_*``, compile caches emptied before) and the bytes of the blocks' weights on the
+``torchao_ms``, ``ditops_ms``; bf16 in the same mode), the host's time to issue one
+(``*_host_ms``; near the time per forward, the forward is host-bound), their ratios, each FP8
+output's relative L2 error against diffusers' bf16 eager output, the first call's time of each
+compiled FP8 model (``compile_s_*``, compile caches emptied before) and the bytes of the blocks' weights on the
 GPU, as built and at the released model's depth (``weight_bytes_full_depth_*``: the blocks
 a built model lacks counted as its first block's). A time is the median of ``--rounds``
 rounds, the three ways taking turns going first; a round is the median of 5 CUDA-event
@@ -116,6 +117,7 @@ def measure(name: str, resolution, modes: list, blocks: int, rounds: int, ways: 
                 order = ways[turn % len(ways):] + ways[:turn % len(ways)]
                 for way in order:
                     samples.setdefault((way, mode), []).append(models.time_ms(forwards[way]))
+            host = {way: models.host_ms(forwards[way]) for way in ways}
         expected = outputs["bf16", "eager"] if ("bf16", "eager") in outputs else outputs["bf16", mode]
         ms = {way: statistics.median(samples[way, mode]) if (way, mode) in samples else None for way in WAYS}
         error = {way: ((outputs[way, mode] - expected).norm() / expected.norm()).item() if (way, mode) in outputs
@@ -128,7 +130,8 @@ def measure(name: str, resolution, modes: list, blocks: int, rounds: int, ways: 
                    weight_bytes_bf16=weight_bytes["bf16"], weight_bytes_ditops=weight_bytes["ditops"],
                    weight_bytes_torchao=weight_bytes["torchao"],
                    **{f"weight_bytes_full_depth_{way}": full_depth_bytes[way] for way in WAYS},
-                   rounds_ms={way: samples[way, mode] for way in ways})
+                   rounds_ms={way: samples[way, mode] for way in ways},
+                   **{f"{way}_host_ms": host[way] for way in ways})
         if mode != "eager":
             row.update({f"compile_s_{way}": first_call.get((way, mode)) for way in WAYS})
         yield row
@@ -176,7 +179,7 @@ def combine(paths: list) -> dict:
             target = rows.setdefault(key, dict(row, runs={}))
             for way in WAYS:
                 if row.get(f"{way}_ms") is not None:
-                    for field in (f"{way}_ms", f"rel_err_{way}", f"compile_s_{way}"):
+                    for field in (f"{way}_ms", f"{way}_host_ms", f"rel_err_{way}", f"compile_s_{way}"):
                         if field in row:
                             target[field] = row[field]
                     target["runs"][way] = row.get("runs", {}).get(way) or str(path)

@@ -43,6 +43,7 @@ import datetime
 import json
 import re
 import statistics
+import time
 import warnings
 from pathlib import Path
 
@@ -64,6 +65,19 @@ def time_ms(function, repeats: int = 5) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_ms(function, repeats: int = 5) -> float:
+    """Median time for ``function`` to return, the GPU idle before each call: the host's cost of
+    issuing one forward. Where it is near time_ms, the forward is host-bound."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        function()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
