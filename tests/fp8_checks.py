@@ -10,6 +10,7 @@ from tiny_models import (
     tiny_cosmos,
     tiny_flux,
     tiny_flux2,
+    tiny_helios,
     tiny_hidream,
     tiny_hunyuan_video,
     tiny_hunyuan_video15,
@@ -39,7 +40,7 @@ TINY = {
     "hunyuan-video-1.5": in_dtype(tiny_hunyuan_video15), "sd3": in_dtype(tiny_sd3),
     "sd3.5": in_dtype(lambda: tiny_sd3(sd35=True)), "lumina2": in_dtype(tiny_lumina2), "cosmos": in_dtype(tiny_cosmos),
     "kandinsky5": in_dtype(tiny_kandinsky5), "hidream": in_dtype(tiny_hidream), "ltx-video": in_dtype(tiny_ltx),
-    "ltx-2": in_dtype(tiny_ltx2),
+    "ltx-2": in_dtype(tiny_ltx2), "helios": in_dtype(lambda: tiny_helios(amplify_history=False)),
 }
 
 

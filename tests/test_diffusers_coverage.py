@@ -17,7 +17,7 @@ diffusers = pytest.importorskip("diffusers")
 integration = pytest.importorskip("ditops.integrations.diffusers")
 
 from model_runs import block_call, recorded_calls, run  # noqa: E402
-from tiny_models import (WAN_SHAPE, built, tiny_bria, tiny_bria_fibo, tiny_chroma, tiny_chronoedit,  # noqa: E402
+from tiny_models import (WAN_SHAPE, built, tiny_bria, tiny_bria_fibo, tiny_chroma, tiny_chronoedit, tiny_helios,  # noqa: E402
                          tiny_cosmos, tiny_flux2, tiny_hidream, tiny_hunyuan_image, tiny_hunyuan_video,
                          tiny_hunyuan_video15, tiny_hunyuan_video_framepack, tiny_kandinsky5, tiny_longcat_image,
                          tiny_ltx, tiny_ltx2, tiny_lumina2, tiny_ovis_image, tiny_sd3, tiny_skyreels_v2,
@@ -131,14 +131,18 @@ WAN_LIKE = {
     "wan-animate": (tiny_wan_animate, 2 * 4),
     "chronoedit": (tiny_chronoedit, 2 * 4),
     "skyreels-v2": (tiny_skyreels_v2, 2 * 4),
+    "helios": (tiny_helios, 2 * 4),
 }
+# Helios's norm3: after a residual of the video tokens alone where history tokens come first
+HELIOS_OPS = WAN_OPS | {"residual_norm_scale_shift (norm_scale_shift where history tokens come first)"}
 
 
 @pytest.mark.parametrize("name", WAN_LIKE)
 def test_wan_like_patched_matches_diffusers_and_remove_restores_it(name):
     build, sites = WAN_LIKE[name]
     model, inputs = build()
-    report = assert_patched_matches(model, inputs, 3 if name == "wan-vace" else 2, sites, WAN_OPS)
+    report = assert_patched_matches(model, inputs, 3 if name == "wan-vace" else 2, sites,
+                                    HELIOS_OPS if name == "helios" else WAN_OPS)
     if name == "wan-vace":
         assert report.skipped == ["vace_blocks.0: WanVACETransformerBlock has Wan's block layout but another forward; "
                                   "its norms stay as diffusers wrote them"]
@@ -153,9 +157,11 @@ def test_wan_like_runs_the_ops(monkeypatch, name):
                           ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_", "rope_"))
     # per Wan block: norm1; norm2 and norm3 with their residuals; the self-attention's q/k norm +
     # RoPE (I2V's image-context k/v in the cross-attention stays diffusers'); the VACE control
-    # block: its self-attention's
+    # block: its self-attention's. Helios with history tokens: norm3 after a residual of the
+    # video tokens alone
     vace = 1 if name == "wan-vace" else 0
-    assert calls == sorted((["norm_scale_shift"] + ["residual_norm_scale_shift"] * 2 + ["qk_norm_rope_"]) * 2
+    norm3 = "norm_scale_shift" if name == "helios" else "residual_norm_scale_shift"
+    assert calls == sorted((["norm_scale_shift", "residual_norm_scale_shift", norm3, "qk_norm_rope_"]) * 2
                            + ["qk_norm_rope_"] * vace)
 
 

@@ -366,7 +366,8 @@ FP8_BLOCK_OPS = {"hunyuan-video": ("norm_scale_shift_fp8", "residual_norm_scale_
                  "cosmos": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "residual_norm_scale_shift",
                             "qk_norm_rope_"),
                  "kandinsky5": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "residual_norm_scale_shift",
-                                "qk_norm_rope_")}
+                                "qk_norm_rope_"),
+                 "helios": ("norm_scale_shift_fp8", "residual_norm_scale_shift", "quantize_fp8", "qk_norm_rope_")}
 
 
 @pytest.mark.parametrize("name", FP8_BLOCK_OPS)
@@ -376,8 +377,8 @@ def test_compiled_fp8_block_is_one_graph_and_matches_eager(name):
     blocks (SD3.5, Lumina2, Kandinsky 5's visual blocks)."""
     model, inputs, _ = TINY[name](torch.bfloat16)
     integration.apply(model, quantize="fp8")
-    block = {"lumina2": lambda: model.layers[0], "kandinsky5": lambda: model.visual_transformer_blocks[0]}.get(
-        name, lambda: model.transformer_blocks[0])()
+    block = {"lumina2": lambda: model.layers[0], "kandinsky5": lambda: model.visual_transformer_blocks[0],
+             "helios": lambda: model.blocks[0]}.get(name, lambda: model.transformer_blocks[0])()
     arguments, keywords = block_call(model, inputs, block)
     with torch.no_grad():
         torch._dynamo.reset()
@@ -575,6 +576,22 @@ def test_wan_norms_feed_self_attention_and_ffn_fp8_rows(monkeypatch):
     blocks = 2
     assert calls.count("norm_scale_shift_fp8") == blocks  # norm1 -> q/k/v
     assert calls.count("residual_norm_scale_shift_fp8") == blocks  # norm3 -> the FFN
+    assert ("blocks.0.ffn", "quantize_fp8 (GELU)") in report.replaced
+
+
+def test_helios_norms_feed_self_attention_and_ffn_fp8_rows(monkeypatch):
+    """As Wan's; with history tokens before the video, norm3 is a norm_scale_shift_fp8 after the
+    video tokens' cross-attention residual."""
+    model, inputs, _ = TINY["helios"](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    blocks = 2
+    assert calls.count("norm_scale_shift_fp8") == 2 * blocks  # norm1 -> q/k/v, norm3 -> the FFN
+    assert calls.count("residual_norm_scale_shift_fp8") == 0
+    fed, own_input = fed_and_own_input(report)
+    assert {"blocks.1.attn1.to_q", "blocks.1.attn1.to_v", "blocks.1.ffn.net.0.proj", "blocks.1.ffn.net.2"} <= fed
+    assert {"blocks.1.attn2.to_q", "blocks.1.attn1.to_out.0"} <= own_input
     assert ("blocks.0.ffn", "quantize_fp8 (GELU)") in report.replaced
 
 

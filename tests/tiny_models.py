@@ -261,6 +261,23 @@ def tiny_skyreels_v2():
                              enable_diffusion_forcing=True)
 
 
+def tiny_helios(amplify_history=True, layers=2, history=True):
+    """Helios: Wan's layout with short-history latents before the video (2 + 3 frames, 80 tokens);
+    its cross-attention runs on the video tokens only (guidance_cross_attn), its history keys
+    take a learned per-head scale (is_amplify_history; in bfloat16 diffusers 0.42.1 fails there,
+    its float32 scale making the keys float32), and each batch item has its own frame indices,
+    so its own RoPE table."""
+    shape = {key: value for key, value in WAN_SHAPE.items() if key != "rope_max_seq_len"} | {"num_layers": layers}
+    model = built(diffusers.HeliosTransformer3DModel, **shape, rope_dim=(4, 6, 6), is_amplify_history=amplify_history)
+    with torch.no_grad():
+        for block in model.blocks if amplify_history else ():
+            block.attn1.history_key_scale.uniform_(-1.0, 1.0)  # not one value for every head
+    generator = torch.Generator().manual_seed(2)
+    short = dict(latents_history_short=torch.randn(2, 4, 2, 8, 8, generator=generator),
+                 indices_latents_history_short=torch.tensor([[0, 1], [0, 2]]))
+    return model, wan_inputs(**(short if history else {}), indices_hidden_states=torch.tensor([[2, 3, 4], [3, 4, 5]]))
+
+
 # ----- SD3 / SD3.5 --------------------------------------------------------------------------------
 
 

@@ -126,6 +126,14 @@ def hook_on(module) -> str | None:
     return None
 
 
+def sees_arguments(module) -> bool:
+    """Whether a hook takes ``module``'s arguments before its forward does (a diffusers or
+    accelerate hook, a torch forward pre-hook): a context-parallel split, a device move. Those
+    take tensors, not FP8 rows."""
+    registry = vars(module).get("_diffusers_hook")
+    return bool(registry is not None and registry.hooks) or "_hf_hook" in vars(module) or bool(module._forward_pre_hooks)
+
+
 def hooked(owner, names: tuple) -> bool:
     """Whether a submodule of ``owner`` named in ``names`` (modules whose call a ditops forward
     replaces by an op) has a hook; if so, warns once naming it, and the caller runs diffusers' code."""

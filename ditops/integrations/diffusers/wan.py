@@ -1,12 +1,16 @@
 """The Wan family under ditops: Wan 2.1 / 2.2 (``WanTransformer3DModel``), Wan-VACE
 (``WanVACETransformer3DModel``), Wan-Animate (``WanAnimateTransformer3DModel``), ChronoEdit
-(``ChronoEditTransformer3DModel``) and SkyReels-V2 (``SkyReelsV2Transformer3DModel``).
+(``ChronoEditTransformer3DModel``), SkyReels-V2 (``SkyReelsV2Transformer3DModel``) and Helios
+(``HeliosTransformer3DModel``).
 
 Blocks are matched by what they compute, not by class name: every module of the model with
 Wan's block layout (norm1, attn1, attn2, norm2, norm3, ffn, scale_shift_table) whose forward
 is the code of diffusers' ``WanTransformerBlock.forward`` (ChronoEdit and Wan-Animate copy the
-class into their own modules) or of ``SkyReelsV2TransformerBlock.forward`` (an attention mask
-and per-token [B, 6, S, D] modulation for diffusion forcing). A block with that layout and
+class into their own modules), of ``SkyReelsV2TransformerBlock.forward`` (an attention mask
+and per-token [B, 6, S, D] modulation for diffusion forcing) or of
+``HeliosTransformerBlock.forward`` (history tokens before the video's: with
+``guidance_cross_attn`` only the last ``original_context_length`` tokens take the
+cross-attention, its residual and so norm2's output). A block with that layout and
 another forward (Wan-VACE's control blocks, which add input and output projections) keeps its
 norms and is named in the report; its self-attention is patched where its processor is one
 checked (below).
@@ -17,14 +21,15 @@ checked (below).
 - In self-attention (``attn1``, the calls with rotary tables), the q/k RMSNorm over all heads
   of a token and the interleaved RoPE -> one ``qk_norm_rope_(norm_over="token")``, on the
   cos/sin that the model's ``rope`` module hands the block: one row per token of the sequence
-  the block sees. Under context parallelism the plan splits those outputs along the sequence
-  together with ``blocks.0``'s hidden states, so both are this shard's and the shard's rows
-  start at row 0 of its table (no offset). A self-attention keeps diffusers' processor, named
-  in the report with the reason, where its processor is not one checked, its norm_q/norm_k
-  are not ``torch.nn.RMSNorm``s with weights of a dtype the op takes and one number as eps (the
-  op takes one eps), or its heads are not ones the op takes (one even head size up to 512 for
-  q and k, the norms over all of a token's heads). Calls the processor does not cover go to
-  diffusers' (``WanQKNormRopeProcessor`` says which).
+  the block sees (Helios: a table per batch item, read through positions; its history keys
+  then take their learned scale, as diffusers'). Under context parallelism the plan splits
+  those tables along the sequence together with the hidden states, so both are this shard's
+  and the shard's rows start at row 0 of its table (no offset). A self-attention keeps
+  diffusers' processor, named in the report with the reason, where its processor is not one
+  checked, its norm_q/norm_k are not ``torch.nn.RMSNorm``s with weights of a dtype the op
+  takes and one number as eps (the op takes one eps), or its heads are not ones the op takes
+  (one even head size up to 512 for q and k, the norms over all of a token's heads). Calls the
+  processor does not cover go to diffusers' (``WanQKNormRopeProcessor`` says which).
 - The cross-attention (``attn2``: no RoPE; in I2V models also the image-context k/v) keeps its
   processor and norms.
 """
@@ -45,12 +50,7 @@ def _block_forward_of(fp8: bool):
         """diffusers' WanTransformerBlock with the norms fused (``_modulated_block``)."""
         if patching.hooked(self, ("norm1", "norm2", "norm3")):
             return type(self).forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
-        if temb.ndim == 4:  # Wan2.2 TI2V: per-token modulation [B, S, 6, D]
-            chunks = (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
-            chunks = [chunk.squeeze(2) for chunk in chunks]
-        else:  # [B, 6, D]: one [B, 1, D] vector per batch item
-            chunks = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
-        return _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, None, fp8)
+        return _modulated_block(self, hidden_states, encoder_hidden_states, _chunks(self, temb), rotary_emb, None, fp8)
 
     return forward
 
@@ -70,24 +70,52 @@ def _skyreels_block_forward_of(fp8: bool):
     return forward
 
 
+def _helios_block_forward_of(fp8: bool):
+    def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, original_context_length=None):
+        """diffusers' HeliosTransformerBlock with the norms fused (``_modulated_block``)."""
+        if patching.hooked(self, ("norm1", "norm2", "norm3")):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb,
+                                      original_context_length)
+        return _modulated_block(self, hidden_states, encoder_hidden_states, _chunks(self, temb), rotary_emb, None, fp8,
+                                helios_context=original_context_length)
+
+    return forward
+
+
+def _chunks(block, temb) -> list:
+    """The six modulation vectors of a Wan or Helios block: [B, 1, D] each from [B, 6, D], or
+    [B, S, D] from per-token modulation ([B, S, 6, D]: Wan2.2 TI2V)."""
+    if temb.ndim == 4:
+        return [chunk.squeeze(2) for chunk in (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+    return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
+
+
 _BLOCK_FORWARDS = {fp8: _block_forward_of(fp8) for fp8 in (False, True)}
 _SKYREELS_BLOCK_FORWARDS = {fp8: _skyreels_block_forward_of(fp8) for fp8 in (False, True)}
+_HELIOS_BLOCK_FORWARDS = {fp8: _helios_block_forward_of(fp8) for fp8 in (False, True)}
 
 
-def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, attention_mask, fp8: bool):
+def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_emb, attention_mask, fp8: bool,
+                     helios_context=None):
     """A Wan block after its modulation chunks: the float32-modulated norm1 as
     norm_scale_shift, "residual + gate * self-attention, then the affine norm2" and "residual
     + cross-attention (gate 1), then norm3 and its modulation" each as one
     residual_norm_scale_shift. The modulation stays float32 next to bf16 activations. With
-    ``fp8``, norm1 gives the ditops self-attention processor FP8 rows (another processor gets
-    bf16) and norm3 gives them to the FFN; norm2 feeds the cross-attention's query in bf16."""
+    ``fp8``, norm1 gives the ditops self-attention processor FP8 rows (another processor, or a
+    hooked attention, gets bf16) and norm3 gives them to the FFN (bf16 where it is hooked);
+    norm2 feeds the cross-attention's query in bf16.
+    A Helios block (``helios_context``: its original_context_length, which its attentions
+    take) with guidance_cross_attn runs the cross-attention on the last helios_context tokens
+    only: norm2's output is read there, and norm3 is a norm_scale_shift after their residual."""
     shift_msa, scale_msa, gate_msa, context_shift, context_scale, context_gate = chunks
-    if fp8 and type(self.attn1.processor) is WanQKNormRopeProcessor:
+    # a hook on attn1 or the FFN (Helios's context-parallel plan splits their inputs) takes tensors
+    if fp8 and type(self.attn1.processor) in _DITOPS_PROCESSORS and not patching.sees_arguments(self.attn1):
         norm_hidden_states = Float8Rows(*ops.norm_scale_shift_fp8(hidden_states, scale_msa, shift_msa,
                                                                   eps=self.norm1.eps))
     else:
         norm_hidden_states = ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
-    attention = self.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
+    helios = () if helios_context is None else (helios_context,)
+    attention = self.attn1(norm_hidden_states, None, attention_mask, rotary_emb, *helios)
     if isinstance(self.norm2, torch.nn.Identity):
         hidden_states = (hidden_states.float() + attention * gate_msa).type_as(hidden_states)
         norm_hidden_states = hidden_states
@@ -96,14 +124,21 @@ def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_
         norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
             attention, hidden_states, gate_msa, no_modulation, no_modulation, weight=self.norm2.weight,
             bias=self.norm2.bias, eps=self.norm2.eps)
-    cross_attention = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
-    if fp8:
-        y, y_scale, hidden_states = ops.residual_norm_scale_shift_fp8(
-            cross_attention, hidden_states, None, context_scale, context_shift, eps=self.norm3.eps)
-        norm_hidden_states = Float8Rows(y, y_scale)
+    history = hidden_states.shape[1] - helios_context if helios and self.guidance_cross_attn else 0
+    if history:
+        norm_hidden_states = norm_hidden_states[:, history:]
+    cross_attention = self.attn2(norm_hidden_states, encoder_hidden_states, None, None, *helios)
+    rows = fp8 and not patching.sees_arguments(self.ffn)
+    if history:
+        hidden_states = torch.cat([hidden_states[:, :history], hidden_states[:, history:] + cross_attention], dim=1)
+        norm = ops.norm_scale_shift_fp8 if rows else ops.norm_scale_shift
+        normed = norm(hidden_states, context_scale, context_shift, eps=self.norm3.eps)
+        normed = tuple(normed) if rows else (normed,)
     else:
-        norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
-            cross_attention, hidden_states, None, context_scale, context_shift, eps=self.norm3.eps)
+        norm = ops.residual_norm_scale_shift_fp8 if rows else ops.residual_norm_scale_shift
+        *normed, hidden_states = norm(cross_attention, hidden_states, None, context_scale, context_shift,
+                                      eps=self.norm3.eps)
+    norm_hidden_states = Float8Rows(*normed) if rows else normed[0]
     feed_forward = self.ffn(norm_hidden_states)
     return (hidden_states.float() + feed_forward.float() * context_gate).type_as(hidden_states)
 
@@ -141,6 +176,48 @@ class WanQKNormRopeProcessor(patching.DitopsProcessor):
         return attn.to_out[1](attn.to_out[0](out))
 
 
+class HeliosQKNormRopeProcessor(patching.DitopsProcessor):
+    """diffusers' HeliosAttnProcessor for self-attention as WanQKNormRopeProcessor: Helios's
+    tables are [B, S, 2 * Dh] (cos then sin, every pair's value repeated), one per batch item,
+    read through positions where there is more than one; then, with is_amplify_history, the
+    history keys (those before the last original_context_length tokens) times their learned
+    scale. Calls with context or without tables, or with a hook on norm_q/norm_k, go to the
+    original."""
+
+    bypassed = ("norm_q", "norm_k")
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
+                 original_context_length=None):
+        from diffusers.models.transformers.transformer_helios import _get_qkv_projections
+
+        if (rotary_emb is None or encoder_hidden_states is not None or attn.is_cross_attention
+                or patching.hooked(attn, self.bypassed)):
+            return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb,
+                              original_context_length)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in _get_qkv_projections(attn, hidden_states, None))
+        cos, sin = rotary_emb.chunk(2, dim=-1)
+        cache = torch.cat([cos[..., 0::2], sin[..., 1::2]], dim=-1)  # [B, S, Dh]
+        if cache.dtype == torch.float64 and query.dtype != torch.float64:
+            cache = cache.float()
+        batch, tokens = query.shape[:2]
+        positions = None
+        if cache.shape[0] == 1:
+            cache = cache[0]
+        else:  # row b * S + s of the flattened tables is token s of item b
+            cache = cache.flatten(0, 1)
+            positions = torch.arange(batch * tokens, device=query.device).view(batch, tokens)
+        query, key = ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight, cache, positions,
+                                       eps=attn.norm_q.eps, norm_over="token")
+        history = tokens - original_context_length if attn.is_amplify_history else 0
+        if history > 0:
+            scale = 1.0 + torch.sigmoid(attn.history_key_scale) * (attn.max_scale - 1.0)
+            if attn.history_scale_mode == "per_head":
+                scale = scale.view(1, 1, -1, 1)
+            key = torch.cat([key[:, :history] * scale, key[:, history:]], dim=1)
+        out = self.attention(query, key, value, attention_mask).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
 def _fp32_layer_norm(norm) -> bool:
     from diffusers.models.normalization import FP32LayerNorm
 
@@ -155,20 +232,25 @@ def _norm2_supported(norm) -> bool:
                                                  and norm.bias is not None)
 
 
-def _processors() -> tuple:
-    """The processors whose self-attention (no context, rotary tables) computes what
-    WanAttnProcessor's does, read in diffusers 0.42: Wan's, its copies in ChronoEdit and
-    Wan-Animate, and SkyReels-V2's (which differs only in the parallel config of cross-attention)."""
+_DITOPS_PROCESSORS = (WanQKNormRopeProcessor, HeliosQKNormRopeProcessor)
+
+
+def _processors() -> dict:
+    """{diffusers processor: the ditops processor computing its self-attention (no context,
+    rotary tables)}, read in diffusers 0.42: Wan's, its copies in ChronoEdit and Wan-Animate,
+    SkyReels-V2's (which differs only in the parallel config of cross-attention) and Helios's."""
     from diffusers.models.transformers import transformer_chronoedit, transformer_wan, transformer_wan_animate
+    from diffusers.models.transformers.transformer_helios import HeliosAttnProcessor
     from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2AttnProcessor
 
-    return (transformer_wan.WanAttnProcessor, transformer_chronoedit.WanAttnProcessor,
-            transformer_wan_animate.WanAttnProcessor, SkyReelsV2AttnProcessor)
+    wan_like = (transformer_wan.WanAttnProcessor, transformer_chronoedit.WanAttnProcessor,
+                transformer_wan_animate.WanAttnProcessor, SkyReelsV2AttnProcessor)
+    return {**dict.fromkeys(wan_like, WanQKNormRopeProcessor), HeliosAttnProcessor: HeliosQKNormRopeProcessor}
 
 
 def _attention_refusal(attn) -> str | None:
-    """Why the self-attention ``attn`` keeps diffusers' processor, or None where
-    WanQKNormRopeProcessor computes what it does."""
+    """Why the self-attention ``attn`` keeps diffusers' processor, or None where the ditops
+    processor _processors() names for it computes what it does."""
     if type(attn.processor) not in _processors():
         return f"processor {type(attn.processor).__name__} is not one checked"
     norms = (attn.norm_q, attn.norm_k)
@@ -210,12 +292,14 @@ def _ditops_forwards(block):
     """The ditops forwards ({fp8: forward}) for a block with Wan's layout: by the code of its
     forward (a copy of WanTransformerBlock's in another module counts as WanTransformerBlock),
     else None."""
+    from diffusers.models.transformers.transformer_helios import HeliosTransformerBlock
     from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2TransformerBlock
     from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
     forward = _code(type(block).forward.__code__)
     for reference, forwards in ((WanTransformerBlock, _BLOCK_FORWARDS),
-                                (SkyReelsV2TransformerBlock, _SKYREELS_BLOCK_FORWARDS)):
+                                (SkyReelsV2TransformerBlock, _SKYREELS_BLOCK_FORWARDS),
+                                (HeliosTransformerBlock, _HELIOS_BLOCK_FORWARDS)):
         if forward == _code(reference.forward.__code__):
             return forwards
     return None
@@ -229,8 +313,8 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
             continue
         refusal = _attention_refusal(block.attn1)
         if refusal is None:
-            patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", True, WanQKNormRopeProcessor,
-                                       QK_NORM_ROPE)
+            patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", True,
+                                       _processors()[type(block.attn1.processor)], QK_NORM_ROPE)
         else:
             report.skipped.append(f"{path}.attn1: {refusal}; its q/k norms and RoPE stay as diffusers wrote them")
         forwards = _ditops_forwards(block)
@@ -246,7 +330,10 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
                 report.replaced.append((f"{path}.norm1", "norm_scale_shift" + suffix))
                 if not isinstance(block.norm2, torch.nn.Identity):
                     report.replaced.append((f"{path}.norm2", "residual_norm_scale_shift"))
-                report.replaced.append((f"{path}.norm3", "residual_norm_scale_shift" + suffix))
+                norm3 = "residual_norm_scale_shift" + suffix
+                if forwards is _HELIOS_BLOCK_FORWARDS and block.guidance_cross_attn:
+                    norm3 += f" (norm_scale_shift{suffix} where history tokens come first)"
+                report.replaced.append((f"{path}.norm3", norm3))
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
 
@@ -256,7 +343,7 @@ def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
     ditops', the FFN with its GELU + quantisation fused); True where those norms may give FP8
     rows (norm1 only to the ditops processor: ``_modulated_block`` checks it at every call)."""
     linears = []
-    if type(block.attn1.processor) is WanQKNormRopeProcessor:
+    if type(block.attn1.processor) in _DITOPS_PROCESSORS:
         linears = quantize.fed(block.attn1, ("to_q", "to_k", "to_v"), f"{path}.attn1")
     feed_forwards = {f"{path}.ffn": block.ffn}
     return quantize.replace_fed_with_feed_forwards(patches, report, linears, feed_forwards, fp8_dtype, path)
