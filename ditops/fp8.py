@@ -64,8 +64,11 @@ class Float8Linear(torch.nn.Module):
         self._hold(weight, scale, None if linear.bias is None else linear.bias.detach().clone(), linear.weight.dtype)
 
     def _hold(self, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> None:
-        self.register_buffer("weight", weight)
+        # the float32 scales first: diffusers casts some modules' input to the dtype of their first
+        # floating-point tensor (get_parameter_dtype; MiniMax-H3's AdaLN projections), which the
+        # FP8 weight is not (a float32 input is quantised as any other)
         self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
         self.fp8_dtype, self.out_dtype = weight.dtype, out_dtype

@@ -1,6 +1,6 @@
 """ditops under diffusers' context parallelism (``enable_parallelism``), both orders of
 ``apply`` and ``enable_parallelism``: every patched family with a context-parallel plan in
-diffusers 0.42 (FLUX, Wan, Qwen-Image and Qwen-Image-Edit, FLUX.2, LTX-Video, ChronoEdit, Helios) at
+diffusers 0.42 (FLUX, Wan, Qwen-Image and Qwen-Image-Edit, FLUX.2, LTX-Video, ChronoEdit, Helios, MiniMax-H3) at
 tiny widths; Z-Image, HunyuanVideo, SD3 and the others have no plan. LTX-2's plan fails in
 diffusers 0.42.1 without ditops (its audio-video cross-attentions take the video RoPE table
 unsplit: "The size of tensor a (16) must match the size of tensor b (32)"), and so does Helios's
@@ -36,7 +36,8 @@ integration = pytest.importorskip("ditops.integrations.diffusers")
 
 sys.path.insert(0, os.path.dirname(__file__))  # the tiny models, also when torchrun runs this file
 from model_runs import TOLERANCE  # noqa: E402
-from tiny_models import tiny_chronoedit, tiny_flux, tiny_flux2, tiny_helios, tiny_ltx, tiny_qwen, tiny_wan  # noqa: E402
+from tiny_models import (tiny_chronoedit, tiny_flux, tiny_flux2, tiny_helios, tiny_ltx, tiny_minimax_h3,  # noqa: E402
+                         tiny_qwen, tiny_wan)
 
 
 def coverage_model(builder, blocks):
@@ -53,9 +54,10 @@ def coverage_model(builder, blocks):
 BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "qwen-image": tiny_qwen,
             "qwen-image-edit": lambda dtype, **width: tiny_qwen(dtype, edit=True, **width),  # modulate_index split too
             "flux2": coverage_model(tiny_flux2, 4), "ltx-video": coverage_model(tiny_ltx, 2),
-            "chronoedit": coverage_model(tiny_chronoedit, 2), "helios": coverage_model(lambda: tiny_helios(layers=40, history=False), 40)}  # its plan names blocks 0-39
+            "chronoedit": coverage_model(tiny_chronoedit, 2), "helios": coverage_model(lambda: tiny_helios(layers=40, history=False), 40),  # its plan names blocks 0-39
+            "minimax-h3": coverage_model(tiny_minimax_h3, 2)}
 DIFFUSERS_MODULES = ("transformer_flux", "transformer_wan", "transformer_qwenimage", "transformer_flux2",
-                     "transformer_ltx", "transformer_chronoedit", "transformer_helios")
+                     "transformer_ltx", "transformer_chronoedit", "transformer_helios", "transformer_minimax_h3")
 
 
 def shardable(name, inputs) -> dict:

@@ -20,7 +20,7 @@ from model_runs import block_call, recorded_calls, run  # noqa: E402
 from tiny_models import (WAN_SHAPE, built, tiny_bria, tiny_bria_fibo, tiny_chroma, tiny_chronoedit, tiny_helios,  # noqa: E402
                          tiny_cosmos, tiny_flux2, tiny_hidream, tiny_hunyuan_image, tiny_hunyuan_video,
                          tiny_hunyuan_video15, tiny_hunyuan_video_framepack, tiny_kandinsky5, tiny_longcat_image,
-                         tiny_ltx, tiny_ltx2, tiny_lumina2, tiny_ovis_image, tiny_sd3, tiny_skyreels_v2,
+                         tiny_ltx, tiny_ltx2, tiny_lumina2, tiny_minimax_h3, tiny_ovis_image, tiny_sd3, tiny_skyreels_v2,
                          tiny_wan_animate, tiny_wan_i2v, tiny_wan_vace, wan_inputs)
 
 TOLERANCE = 1e-5  # float32, per op (docs/ops.md)
@@ -646,6 +646,42 @@ def test_ltx_like_block_traces_as_one_graph(name):
     assert "torch.ops.ditops.rope_" not in torch._dynamo.explain(block)(*arguments, **keywords).graphs[0].code
 
 
+# ----- MiniMax-H3 ---------------------------------------------------------------------------------
+
+MINIMAX_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"}
+
+
+def test_minimax_h3_patched_matches_diffusers_and_remove_restores_it():
+    model, inputs = tiny_minimax_h3()
+    report = assert_patched_matches(model, inputs, 2, 2 * 3, MINIMAX_OPS)
+    assert report.skipped == ["token_refiner: unmodulated pre-norm blocks, left as diffusers wrote them"]
+
+
+def test_minimax_h3_runs_the_ops_on_each_rows_modulation(monkeypatch):
+    """Per block: norm1, norm2 with the attention's residual, the q/k norms + RoPE; the
+    modulation per row ([B, S, D]) as the rows' tags and timesteps select it."""
+    calls = patched_calls(monkeypatch, tiny_minimax_h3, sorted(MINIMAX_OPS))
+    assert calls == sorted(["norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"] * 2)
+    model, inputs = tiny_minimax_h3()
+    integration.apply(model)
+    scales = []
+    original = integration.ops.norm_scale_shift
+    monkeypatch.setattr(integration.ops, "norm_scale_shift",
+                        lambda x, scale, *a, **k: scales.append(scale) or original(x, scale, *a, **k))
+    run(model, inputs)
+    rows = inputs["timestep_indices"] * 3 + inputs["token_tags"]
+    table = model.transformer_blocks[0].adaln_proj(model.time_embedder(model.time_proj(inputs["timestep"])))[1]
+    assert torch.equal(scales[0], table[rows].expand(2, -1, -1))
+
+
+def test_minimax_h3_block_traces_as_one_graph():
+    model, inputs = tiny_minimax_h3()
+    integration.apply(model)
+    block = model.transformer_blocks[0]
+    arguments, keywords = block_call(model, inputs, block)
+    assert_traces_as_one_graph(block, arguments, MINIMAX_OPS, keywords)
+
+
 # ----- bfloat16: every family above within the documented bound ----------------------------------
 
 BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: entry[0] for name, entry in WAN_LIKE.items()},
@@ -654,7 +690,7 @@ BUILDERS = {**{name: entry[0] for name, entry in FLUX_LIKE.items()}, **{name: en
             "hunyuan-video-1.5": lambda: bfloat16_timestep(*tiny_hunyuan_video15()),
             "hunyuan-image-2.1": lambda: bfloat16_timestep(*tiny_hunyuan_image()), "lumina2": tiny_lumina2,
             **COSMOS_LIKE, "kandinsky5": tiny_kandinsky5, "hidream": tiny_hidream,
-            **{name: entry[0] for name, entry in LTX_LIKE.items()}}
+            **{name: entry[0] for name, entry in LTX_LIKE.items()}, "minimax-h3": tiny_minimax_h3}
 KEEP_IN_FLOAT32 = {"kandinsky5"}  # its time embedding cannot run in bfloat16
 
 

@@ -254,7 +254,8 @@ def coverage_families() -> dict:
             "hunyuan-video-framepack": tiny_models.tiny_hunyuan_video_framepack, "lumina2": tiny_models.tiny_lumina2,
             "cosmos-2.5": lambda: tiny_models.tiny_cosmos(image_context=True),
             "kandinsky5": tiny_models.tiny_kandinsky5, "hidream": tiny_models.tiny_hidream,
-            "ltx-video": tiny_models.tiny_ltx, "ltx-2": tiny_models.tiny_ltx2, "helios": tiny_models.tiny_helios}
+            "ltx-video": tiny_models.tiny_ltx, "ltx-2": tiny_models.tiny_ltx2, "helios": tiny_models.tiny_helios,
+            "minimax-h3": tiny_models.tiny_minimax_h3}
 
 
 @pytest.mark.parametrize("hook", ["layerwise casting", "group offload (leaf)", "group offload (block)",

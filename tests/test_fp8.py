@@ -367,7 +367,8 @@ FP8_BLOCK_OPS = {"hunyuan-video": ("norm_scale_shift_fp8", "residual_norm_scale_
                             "qk_norm_rope_"),
                  "kandinsky5": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "residual_norm_scale_shift",
                                 "qk_norm_rope_"),
-                 "helios": ("norm_scale_shift_fp8", "residual_norm_scale_shift", "quantize_fp8", "qk_norm_rope_")}
+                 "helios": ("norm_scale_shift_fp8", "residual_norm_scale_shift", "quantize_fp8", "qk_norm_rope_"),
+                 "minimax-h3": ("norm_scale_shift_fp8", "residual_norm_scale_shift_fp8", "qk_norm_rope_")}
 
 
 @pytest.mark.parametrize("name", FP8_BLOCK_OPS)
@@ -593,6 +594,19 @@ def test_helios_norms_feed_self_attention_and_ffn_fp8_rows(monkeypatch):
     assert {"blocks.1.attn1.to_q", "blocks.1.attn1.to_v", "blocks.1.ffn.net.0.proj", "blocks.1.ffn.net.2"} <= fed
     assert {"blocks.1.attn2.to_q", "blocks.1.attn1.to_out.0"} <= own_input
     assert ("blocks.0.ffn", "quantize_fp8 (GELU)") in report.replaced
+
+
+def test_minimax_h3_norms_feed_attention_and_ffn_fp8_rows(monkeypatch):
+    model, inputs, _ = TINY["minimax-h3"](torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    report = integration.apply(model, quantize="fp8")
+    run(model, inputs)
+    blocks = 2
+    assert calls.count("norm_scale_shift_fp8") == calls.count("residual_norm_scale_shift_fp8") == blocks
+    fed, own_input = fed_and_own_input(report)
+    assert {"transformer_blocks.1.attn.to_q", "transformer_blocks.1.attn.to_v", "transformer_blocks.1.ff.net.0.proj"} <= fed
+    assert {"transformer_blocks.1.ff.net.2", "transformer_blocks.1.attn.to_out.0"} <= own_input
+    assert ("transformer_blocks.0.attn.to_qkv", "one FP8 GEMM for to_q, to_k, to_v") in report.replaced
 
 
 def test_z_image_norms_feed_attention_and_ffn_fp8_rows(monkeypatch):

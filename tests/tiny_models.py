@@ -491,3 +491,28 @@ def tiny_ltx2(rope_type="interleaved", ltx23=False):
         inputs.update(timestep=torch.rand(2, 32, generator=generator) * 1000, audio_timestep=torch.tensor([300.0, 500.0]),
                       sigma=torch.tensor([0.1, 0.7]))
     return model, inputs
+
+
+# ----- MiniMax-H3 ---------------------------------------------------------------------------------
+
+def tiny_minimax_h3():
+    """MiniMax-H3: one packed sequence of 5 text, 8 video and 3 audio rows in a shuffled order,
+    two timesteps, so the rows select six of the blocks' modulation rows; the RoPE rotates 12
+    of each head's 16 channels."""
+    model = built(diffusers.MiniMaxH3Transformer3DModel, num_attention_heads=2, attention_head_dim=16, hidden_size=32,
+                  num_layers=2, num_refiner_layers=1, ffn_dim=64, in_channels=4, audio_in_channels=4,
+                  patch_size=(1, 2, 2), text_dim=24, freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=16,
+                  rope_freq_dim=2)
+    generator = torch.Generator().manual_seed(1)
+    text, video, audio = 5, 8, 3
+    order = torch.randperm(text + video + audio, generator=generator)
+    text_indices, video_indices, audio_indices = (part.sort().values for part in order.split([text, video, audio]))
+    tags = torch.zeros(len(order), dtype=torch.long)
+    tags[text_indices], tags[audio_indices] = 1, 2  # diffusers' modality tags: 0 video, 1 text, 2 audio
+    return model, dict(hidden_states=torch.randn(2, video, 16, generator=generator),
+                       audio_hidden_states=torch.randn(2, audio, 4, generator=generator),
+                       encoder_hidden_states=torch.randn(2, text, 24, generator=generator),
+                       timestep=torch.tensor([0.2, 0.9]),
+                       timestep_indices=torch.randint(0, 2, (len(order),), generator=generator), token_tags=tags,
+                       position_ids=torch.randint(0, 6, (len(order), 3), generator=generator),
+                       video_indices=video_indices, audio_indices=audio_indices, text_indices=text_indices)
