@@ -8,6 +8,8 @@ parallel setting and mode, the same model runs unpatched (``baseline_ms``) and w
 that alternate which way runs first (``*_rounds_ms``; a round is the median of ``--repeats``
 forwards); ``rel_err`` and ``baseline_rel_err``
 are the relative L2 error of each output against the one-GPU eager run without ditops.
+``*_host_ms``: rank 0's time to issue one forward of each way, the GPUs idle before it (near
+the forward's time, the step is host-bound and its time spreads with the host's).
 ``cp_calls`` / ``attention_calls``: attention calls of one ditops forward that got the parallel
 config / all of them (counted eagerly at ``dispatch_attention_fn``; the compiled forward runs the
 same processors). Wan's cross-attention runs without the config by diffusers' design (its text
@@ -129,6 +131,24 @@ def time_ms(function, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def host_ms(function, device, repeats: int) -> float:
+    """Median time for ``function`` to return on this rank, the GPUs idle and the ranks in step
+    before each call: the host's cost of issuing one forward (near the forward's time, the step
+    is host-bound)."""
+    times = []
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        function()
+        times.append((time.perf_counter() - start) * 1e3)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
 def count_attention_calls(model, inputs) -> tuple:
     """(calls that got a parallel config, all calls) of dispatch_attention_fn in one eager
     forward. The counter is in place for that forward only: under torch.compile it would be
@@ -196,6 +216,8 @@ def measure(name: str, parallel: str, arguments, device) -> list:
                     samples[variant].append(time_ms(lambda: forward(runs[variant], inputs), device, arguments.repeats))
             for variant, times in samples.items():
                 row[f"{variant}_ms"], row[f"{variant}_rounds_ms"] = statistics.median(times), times
+                _set_variant(model, variant)
+                row[f"{variant}_host_ms"] = host_ms(lambda: forward(runs[variant], inputs), device, arguments.repeats)
             row["speedup"] = row["baseline_ms"] / row["ditops_ms"]
         except Exception as error:  # noqa: BLE001  the row says what failed; the other rows still run
             row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
