@@ -8,8 +8,9 @@ parallel setting and mode, the same model runs unpatched (``baseline_ms``) and w
 that alternate which way runs first (``*_rounds_ms``; a round is the median of ``--repeats``
 forwards); ``rel_err`` and ``baseline_rel_err``
 are the relative L2 error of each output against the one-GPU eager run without ditops.
-``*_host_ms``: rank 0's time to issue one forward of each way, the GPUs idle before it (near
-the forward's time, the step is host-bound and its time spreads with the host's).
+``*_host_ms``: rank 0's time to issue one forward of each way (the call's return, the GPUs idle
+before it), the median of its rounds' medians (near the forward's time, the step is host-bound
+and its time spreads with the host's).
 ``cp_calls`` / ``attention_calls``: attention calls of one ditops forward that got the parallel
 config / all of them (counted eagerly at ``dispatch_attention_fn``; the compiled forward runs the
 same processors). Wan's cross-attention runs without the config by diffusers' design (its text
@@ -114,10 +115,12 @@ def forward(model, inputs) -> torch.Tensor:
         return model(**inputs, return_dict=False)[0]
 
 
-def time_ms(function, device, repeats: int) -> float:
+def time_ms(function, device, repeats: int) -> tuple:
+    """Medians over ``repeats`` calls of (the forward's time, the host's time to issue it: until
+    the call returns), the GPUs idle and the ranks in step before each call."""
     for _ in range(3):
         function()
-    times = []
+    times, issued = [], []
     for _ in range(repeats):
         if dist.is_initialized():
             dist.barrier()
@@ -125,28 +128,11 @@ def time_ms(function, device, repeats: int) -> float:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         function()
+        issued.append((time.perf_counter() - start) * 1e3)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def host_ms(function, device, repeats: int) -> float:
-    """Median time for ``function`` to return on this rank, the GPUs idle and the ranks in step
-    before each call: the host's cost of issuing one forward (near the forward's time, the step
-    is host-bound)."""
-    times = []
-    for _ in range(repeats):
-        if dist.is_initialized():
-            dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        function()
-        times.append((time.perf_counter() - start) * 1e3)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(issued)
 
 
 def count_attention_calls(model, inputs) -> tuple:
@@ -209,15 +195,16 @@ def measure(name: str, parallel: str, arguments, device) -> list:
                 # the first call compiles; Dynamo's guards on the patched modules keep one graph per variant
                 output = forward(runs[variant], inputs)
                 row["rel_err" if variant == "ditops" else "baseline_rel_err"] = relative_error(output, reference)
-            samples = {"baseline": [], "ditops": []}
+            samples, issued = {"baseline": [], "ditops": []}, {"baseline": [], "ditops": []}
             for turn in range(arguments.rounds):
                 for variant in ("baseline", "ditops") if turn % 2 == 0 else ("ditops", "baseline"):
                     _set_variant(model, variant)
-                    samples[variant].append(time_ms(lambda: forward(runs[variant], inputs), device, arguments.repeats))
+                    wall, host = time_ms(lambda: forward(runs[variant], inputs), device, arguments.repeats)
+                    samples[variant].append(wall)
+                    issued[variant].append(host)
             for variant, times in samples.items():
                 row[f"{variant}_ms"], row[f"{variant}_rounds_ms"] = statistics.median(times), times
-                _set_variant(model, variant)
-                row[f"{variant}_host_ms"] = host_ms(lambda: forward(runs[variant], inputs), device, arguments.repeats)
+                row[f"{variant}_host_ms"] = statistics.median(issued[variant])
             row["speedup"] = row["baseline_ms"] / row["ditops_ms"]
         except Exception as error:  # noqa: BLE001  the row says what failed; the other rows still run
             row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"

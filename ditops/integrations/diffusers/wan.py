@@ -132,13 +132,13 @@ def _modulated_block(self, hidden_states, encoder_hidden_states, chunks, rotary_
     if history:
         hidden_states = torch.cat([hidden_states[:, :history], hidden_states[:, history:] + cross_attention], dim=1)
         norm = ops.norm_scale_shift_fp8 if rows else ops.norm_scale_shift
-        normed = norm(hidden_states, context_scale, context_shift, eps=self.norm3.eps)
-        normed = tuple(normed) if rows else (normed,)
+        normed = norm(hidden_states, context_scale, context_shift, eps=self.norm3.eps)  # y, or (y, y_scale)
     else:
         norm = ops.residual_norm_scale_shift_fp8 if rows else ops.residual_norm_scale_shift
         *normed, hidden_states = norm(cross_attention, hidden_states, None, context_scale, context_shift,
                                       eps=self.norm3.eps)
-    norm_hidden_states = Float8Rows(*normed) if rows else normed[0]
+        normed = normed if rows else normed[0]
+    norm_hidden_states = Float8Rows(*normed) if rows else normed
     feed_forward = self.ffn(norm_hidden_states)
     return (hidden_states.float() + feed_forward.float() * context_gate).type_as(hidden_states)
 
