@@ -25,7 +25,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
 
 BENCH = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-26.json", "H200": RESULTS / "NVIDIA-H200_2026-11-26.json"}
-MODELS = {"H100": RESULTS / "models_H100_2026-11-27.json", "H200": RESULTS / "models_H200_2026-11-25.json"}
+# A GPU's model rows may come from several runs (files); a model's rows come from one of them.
+MODELS = {"H100": (RESULTS / "models_H100_2026-11-27.json",),
+          "H200": (RESULTS / "models_H200_2026-11-25.json", RESULTS / "models_H200_2026-11-28.json")}
 MULTIGPU = {"H100x2": RESULTS / "multigpu_H100x2_2026-11-25.json", "H200x2": RESULTS / "multigpu_H200x2_2026-11-28.json"}
 # the FP8 ops' and qk_norm_rope_'s `ditops bench --ops` runs
 BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-28.json", "H200": RESULTS / "NVIDIA-H200_2026-11-28.json"}
@@ -106,23 +108,21 @@ def _models_caption(path: Path) -> str:
 
 
 def models_full(gpu: str) -> str:
-    """Every row of one `benchmarks/models.py` file, as `models.py --table` prints it."""
-    path = MODELS[gpu]
-    return f"**{_models_caption(path)}**\n\n" + _benchmark_module("models").table(path)
+    """Every row of one GPU's `benchmarks/models.py` files, as `models.py --table` prints them."""
+    return "\n\n".join(f"**{_models_caption(path)}**\n\n" + _benchmark_module("models").table(path)
+                       for path in MODELS[gpu])
 
 
 def models_headline() -> str:
     """Both GPUs' `benchmarks/models.py` files side by side, a row per model and resolution, a
     column per GPU and HEADLINE_MODES mode: diffusers -> ditops ms per forward (speedup)."""
-    documents = {gpu: json.loads(path.read_text()) for gpu, path in MODELS.items()}
-    captions = "; ".join(_models_caption(path) for path in MODELS.values())
-    columns = [(gpu, mode) for gpu in documents for mode in HEADLINE_MODES]
+    rows = {gpu: [row for path in paths for row in json.loads(path.read_text())["rows"]] for gpu, paths in MODELS.items()}
+    captions = "; ".join(_models_caption(path) for paths in MODELS.values() for path in paths)
+    columns = [(gpu, mode) for gpu in rows for mode in HEADLINE_MODES]
     header = "| model | resolution | " + " | ".join(f"{gpu} {mode} (ms)" for gpu, mode in columns) + " |"
     lines = [f"**{captions}**", "", header, "|---|---|" + "---|" * len(columns)]
-    keyed = {gpu: {(row["model"], row["resolution"], row["mode"]): row for row in document["rows"]}
-             for gpu, document in documents.items()}
-    first = next(iter(documents.values()))
-    for model, resolution in dict.fromkeys((row["model"], row["resolution"]) for row in first["rows"]):
+    keyed = {gpu: {(row["model"], row["resolution"], row["mode"]): row for row in gpu_rows} for gpu, gpu_rows in rows.items()}
+    for model, resolution in dict.fromkeys((row["model"], row["resolution"]) for row in next(iter(rows.values()))):
         cells = []
         for gpu, mode in columns:
             row = keyed[gpu].get((model, resolution, mode))
