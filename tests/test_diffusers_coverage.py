@@ -657,6 +657,12 @@ def test_minimax_h3_patched_matches_diffusers_and_remove_restores_it():
     assert report.skipped == ["token_refiner: unmodulated pre-norm blocks, left as diffusers wrote them"]
 
 
+def test_minimax_h3_without_refiner_blocks_reports_no_refiner():
+    model, inputs = tiny_minimax_h3(refiner_layers=0)
+    report = assert_patched_matches(model, inputs, 2, 2 * 3, MINIMAX_OPS)
+    assert report.skipped == []
+
+
 def test_minimax_h3_runs_the_ops_on_each_rows_modulation(monkeypatch):
     """Per block: norm1, norm2 with the attention's residual, the q/k norms + RoPE; the
     modulation per row ([B, S, D]) as the rows' tags and timesteps select it."""

@@ -495,12 +495,12 @@ def tiny_ltx2(rope_type="interleaved", ltx23=False):
 
 # ----- MiniMax-H3 ---------------------------------------------------------------------------------
 
-def tiny_minimax_h3():
+def tiny_minimax_h3(refiner_layers=1):
     """MiniMax-H3: one packed sequence of 5 text, 8 video and 3 audio rows in a shuffled order,
     two timesteps, so the rows select six of the blocks' modulation rows; the RoPE rotates 12
     of each head's 16 channels."""
     model = built(diffusers.MiniMaxH3Transformer3DModel, num_attention_heads=2, attention_head_dim=16, hidden_size=32,
-                  num_layers=2, num_refiner_layers=1, ffn_dim=64, in_channels=4, audio_in_channels=4,
+                  num_layers=2, num_refiner_layers=refiner_layers, ffn_dim=64, in_channels=4, audio_in_channels=4,
                   patch_size=(1, 2, 2), text_dim=24, freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=16,
                   rope_freq_dim=2)
     generator = torch.Generator().manual_seed(1)

@@ -115,7 +115,8 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
             suffix = "_fp8" if fp8 else ""
             report.replaced.append((f"{path}.norm1", "norm_scale_shift" + suffix))
             report.replaced.append((f"{path}.norm2", "residual_norm_scale_shift" + suffix))
-    report.skipped.append("token_refiner: unmodulated pre-norm blocks, left as diffusers wrote them")
+    if len(model.token_refiner.refiner_blocks):
+        report.skipped.append("token_refiner: unmodulated pre-norm blocks, left as diffusers wrote them")
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
 
