@@ -51,6 +51,29 @@ def test_hidream_norm1_feeds_q_k_v_and_norm3_the_dense_ffns_not_the_mixtures_of_
                for line in report.skipped)
 
 
+def test_hidream_swiglu_ffns_run_w1_and_w3_as_one_gemm_on_rows_quantised_once(monkeypatch):
+    """Every SwiGLU FFN (dense, routed and shared experts) runs w1 and w3 as one FP8 GEMM: an
+    expert quantises its input once for both (then w2's), and computes what diffusers' forward
+    computes with the same FP8 Linears; remove() takes the joint away."""
+    model, inputs, _ = _tiny_hidream(experts=2)
+    report = integration.apply(model, quantize="fp8")
+    joined = [path for path, op in report.replaced if op == "one FP8 GEMM for w1, w3"]
+    double, single = "double_stream_blocks.1.block", "single_stream_blocks.0.block"
+    assert {f"{double}.ff_t.w13", f"{double}.ff_i.shared_experts.w13", f"{single}.ff_i.experts.1.w13"} <= set(joined)
+    assert len(joined) == 2 * (1 + 1 + 2) + 2 * (1 + 2)  # double: ff_t, ff_i's shared and 2 experts; single: ff_i's
+    expert = model.single_stream_blocks[0].block.ff_i.experts[1]
+    x = torch.randn(7, expert.w1.in_features, dtype=torch.bfloat16)
+    calls = recorded_calls(monkeypatch, FP8_OPS)
+    got = expert(x)
+    assert calls == ["quantize_fp8", "quantize_fp8"]
+    expected = type(expert).forward(expert, x)  # w1 and w3 each quantising x
+    assert calls.count("quantize_fp8") == 2 + 3
+    assert torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-3)
+    integration.remove(model)
+    assert not hasattr(expert, "w13") and "forward" not in vars(expert)
+    assert type(expert.w1) is torch.nn.Linear
+
+
 def test_hidream_dense_ffns_take_fp8_rows_from_every_norm(monkeypatch):
     model, inputs, _ = _tiny_hidream(experts=0)
     calls = recorded_calls(monkeypatch, FUSED)

@@ -18,7 +18,9 @@ bf16 to a mixture-of-experts FFN (``MOEFeedForwardSwiGLU``, the released models'
 its router (``MoEGate``) picks each token's experts by top-k over the normed rows in bf16, and
 the norm ops give FP8 or bf16 rows, not both; routing on FP8 rows would send near-tied tokens
 to other experts than the model does. Its shared and routed experts quantise their own input,
-as do the attention outputs and the modulation.
+as do the attention outputs and the modulation. Every SwiGLU FFN, dense or expert, runs ``w1``
+and ``w3`` as one FP8 GEMM (``w13``): one GEMM instead of two, and an expert's input quantised
+once instead of once per projection.
 
 Left as diffusers wrote them: the attentions' math (``HiDreamAttnProcessor``: its q/k RMSNorm
 runs over all heads together, [B, S, H * Dh], not per head as ``qk_norm_rope_`` computes), the
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ...fp8 import Float8Rows
+from ...fp8 import Float8Linear, Float8Rows
 from . import flux, patching, quantize
 
 _DOUBLE_NORMS = ("norm1_i", "norm1_t", "norm3_i", "norm3_t")
@@ -135,7 +137,7 @@ class HiDreamFP8RowsProcessor(patching.DitopsProcessor):
         return attn.to_out(out[:, :image_tokens]), attn.to_out_t(out[:, image_tokens:])
 
 
-def _dense(ff) -> bool:
+def _swiglu_ffn(ff) -> bool:
     from diffusers.models.transformers.transformer_hidream_image import HiDreamImageFeedForwardSwiGLU
 
     return type(ff) is HiDreamImageFeedForwardSwiGLU
@@ -161,7 +163,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
                 report.skipped.append(f"{path}: norms not LayerNorms without affine parameters; left as they are")
             else:
                 fp8 = fp8_dtype is not None and _quantize_block(block, path, patches, report, fp8_dtype)
-                fed = {"norm1_i": fp8, "norm1_t": fp8, "norm3_t": fp8, "norm3_i": fp8 and _dense(block.ff_i)}
+                fed = {"norm1_i": fp8, "norm1_t": fp8, "norm3_t": fp8, "norm3_i": fp8 and _swiglu_ffn(block.ff_i)}
                 if patching.replace_forward(patches, report, block, path, forwards[fp8, fed["norm3_i"]]):
                     report.replaced += [(f"{path}.{name}", ("norm_scale_shift" if name.startswith("norm1")
                                                             else "residual_norm_scale_shift") + "_fp8" * fed[name])
@@ -170,6 +172,26 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     report.skipped.append("final_layer: its modulated norm; left as it is")
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
+        _join_swiglu_up_projections(model, patches, report)
+
+
+def _swiglu_forward(self, x):
+    """diffusers' HiDreamImageFeedForwardSwiGLU with w1 and w3 as one FP8 GEMM (``w13``): rows
+    that come as a tensor (the experts' and shared experts' input) are quantised once, not once
+    per projection. With a hook on w1 or w3, diffusers' forward runs."""
+    if patching.hooked(self, ("w1", "w3")):
+        return type(self).forward(self, x)
+    gate, up = self.w13(x).chunk(2, dim=-1)
+    return self.w2(torch.nn.functional.silu(gate) * up)
+
+
+def _join_swiglu_up_projections(model, patches, report) -> None:
+    """Every SwiGLU FFN of the model whose w1 and w3 became FP8 (dense FFNs, routed and shared
+    experts) -> one GEMM for both, which read the same rows."""
+    for path, ff in model.named_modules():
+        if (_swiglu_ffn(ff) and all(type(getattr(ff, name)) is Float8Linear for name in ("w1", "w3"))
+                and quantize.join(patches, report, ff, path, "w13", ("w1", "w3"))):
+            patching.replace_forward(patches, report, ff, path, _swiglu_forward)
 
 
 def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
@@ -187,7 +209,7 @@ def _quantize_block(block, path, patches, report, fp8_dtype) -> bool:
                for linear in quantize.fed(attn, tuple(f"to_{name}{suffix}" for name in "qkv"), f"{path}.attn1")]
     for stream in streams:
         ff = getattr(block, f"ff_{stream}")
-        if _dense(ff):
+        if _swiglu_ffn(ff):
             linears += quantize.fed(ff, ("w1", "w3"), f"{path}.ff_{stream}")
         else:
             report.skipped.append(f"{path}.norm3_{stream}: gives bf16 (ff_{stream} is a {type(ff).__name__}: its "

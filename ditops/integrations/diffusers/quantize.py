@@ -91,14 +91,31 @@ def replace_fed(patches: list, report: Report, linears: list, fp8_dtype, owner: 
 
 @dataclass
 class _JointPatch:
-    attention: torch.nn.Module
+    module: torch.nn.Module
     name: str
     joint: torch.nn.Module
+    fused_projections: bool = True  # set with the joint on an attention (join_projections): unset with it
 
     def restore(self) -> None:
-        if getattr(self.attention, self.name, None) is self.joint:
-            delattr(self.attention, self.name)
-            self.attention.fused_projections = False
+        if getattr(self.module, self.name, None) is self.joint:
+            delattr(self.module, self.name)
+            if self.fused_projections:
+                self.module.fused_projections = False
+
+
+def join(patches: list, report: Report, module, path: str, joint_name: str, names: tuple) -> bool:
+    """The FP8 Linears ``names`` of ``module``, which take the same rows, -> one FP8 GEMM
+    ``module.<joint_name>`` whose output is theirs side by side (the caller's forward splits
+    it); False (and a skip in the report) where one GEMM cannot serve them."""
+    try:
+        joint = Float8Linear.side_by_side([getattr(module, name) for name in names])
+    except ValueError as error:
+        report.skipped.append(f"{path}: {', '.join(names)} stay separate GEMMs ({error})")
+        return False
+    setattr(module, joint_name, joint)
+    patches.append(_JointPatch(module, joint_name, joint, fused_projections=False))
+    report.replaced.append((f"{path}.{joint_name}", f"one FP8 GEMM for {', '.join(names)}"))
+    return True
 
 
 def join_projections(patches: list, report: Report, attention, path: str, joints: dict) -> None:
