@@ -1,5 +1,6 @@
 """Times launch settings of the Triton row kernels at `ditops bench`'s shapes: how the entries of
-ditops/configs/triton_launch.yaml are chosen, and how to check them on another GPU.
+ditops/configs/triton_launch.yaml are chosen, and how to check them on another GPU (with
+--token-norm, those of the compiled token-norm RoPE kernel).
 
 Each setting replaces every row kernel's entries in the launch table for the run (num_warps,
 rows per program, and a row loop of programs_per_sm x stages, 0x1 for none), then the op is
@@ -8,8 +9,14 @@ over input sets larger than the L2 cache, as `ditops bench`), beside the launch 
 and the same-size copy. A row loop runs only where the call's modulation is the same for every
 token of a batch item (launch.row_grid); elsewhere that setting times the plain grid.
 
+With --token-norm, the compiled (CUDA) kernel of qk_norm_rope_(norm_over="token") instead: each
+setting, block threads x items, becomes the one rotary_token_norm class of
+ditops/configs/compiled_launch.yaml for the run, timed with the cuda backend at the bench's
+token-norm cases.
+
 Usage: python benchmarks/launch_sweep.py --ops norm_scale_shift_fp8 --shapes Wan \\
            --warps 1 2 4 --rows 1 2 --loops 0x1 4x3 8x3 [--output FILE.json]
+       python benchmarks/launch_sweep.py --token-norm 64x3 128x2 128x4 128x5 256x2 [--output FILE.json]
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ditops.backends import compiled
 from ditops.backends.triton import launch
 from ditops.bench import timing
 from ditops.bench.cases import CASES, minimum_bytes
@@ -61,15 +69,47 @@ def time_case(case, inputs: list, table) -> float:
         reset()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", nargs="+", required=True)
-    parser.add_argument("--shapes", nargs="+", default=[""], help="only cases whose model or shape contains one of these")
-    parser.add_argument("--warps", nargs="+", type=int, default=[1, 2, 4, 8])
-    parser.add_argument("--rows", nargs="+", type=int, default=[1], help="rows per program")
-    parser.add_argument("--loops", nargs="+", default=["0x1"], help="row loops, programs_per_sm x stages; 0x1: none")
-    parser.add_argument("--output", type=Path)
-    options = parser.parse_args()
+def token_norm_table(settings: dict, block: int, items: int) -> dict:
+    """The compiled launch table with one rotary_token_norm class, block x items, for every D
+    up to the registry's limit (the last class's max_hidden)."""
+    widest = settings["rotary_token_norm"][-1]["max_hidden"]
+    return dict(settings, rotary_token_norm=[dict(max_hidden=widest, block=block, items=items)])
+
+
+def time_token_norm(case, inputs: list, table) -> float:
+    """Microseconds per call of the case on cuda under compiled launch table ``table`` (None: as it is)."""
+    original = compiled._launch_settings
+    if table is not None:
+        compiled._launch_settings = lambda: table
+    reset()  # a new plan table: the calls bind kernel instances under this launch table
+    try:
+        return timing.cuda_graph([lambda a=a: PUBLIC[case.op](**a, backend="cuda") for a in inputs]).us
+    finally:
+        compiled._launch_settings = original
+        reset()
+
+
+def sweep_token_norm(settings_text: list) -> list:
+    settings = compiled._launch_settings()
+    results = []
+    for case in CASES:
+        if case.op != "qk_norm_rope_" or "token norm" not in case.model:
+            continue
+        inputs = case_inputs(case)
+        copy = min(timing.copy_us("cuda", minimum_bytes(case.op, inputs[0]), len(inputs)).values())
+        tabled = time_token_norm(case, inputs, None)
+        print(f"\n{case.op} {case.model} {case.shape}: same-size copy {copy:.1f} us, launch table {tabled:.1f} us")
+        for text in settings_text:
+            block, items = (int(part) for part in text.split("x"))
+            us = time_token_norm(case, inputs, token_norm_table(settings, block, items))
+            results.append(dict(op=case.op, model=case.model, shape=case.shape, block=block, items=items, us=us,
+                                tabled_us=tabled, same_size_copy_us=copy))
+            print(f"  block {block:4d} items {items}: {us:8.1f} us ({100 * copy / us:.0f}% of the copy, "
+                  f"{tabled / us:.2f}x the table's)", flush=True)
+    return results
+
+
+def sweep_rows(options) -> list:
     loops = [tuple(int(part) for part in text.split("x")) for text in options.loops]
     settings = launch._settings()
     results = []
@@ -90,6 +130,27 @@ def main() -> None:
                                 row_loop=f"{loop[0]}x{loop[1]}", us=us, tabled_us=tabled, same_size_copy_us=copy))
             print(f"  num_warps {warps:2d} rows {rows} loop {loop[0]}x{loop[1]}: {us:8.1f} us "
                   f"({100 * copy / us:.0f}% of the copy, {tabled / us:.2f}x the table's)", flush=True)
+    return results
+
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", nargs="+")
+    parser.add_argument("--token-norm", nargs="+", metavar="BLOCKxITEMS",
+                        help="sweep the compiled rotary_token_norm classes instead (block threads x items)")
+    parser.add_argument("--shapes", nargs="+", default=[""], help="only cases whose model or shape contains one of these")
+    parser.add_argument("--warps", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1], help="rows per program")
+    parser.add_argument("--loops", nargs="+", default=["0x1"], help="row loops, programs_per_sm x stages; 0x1: none")
+    parser.add_argument("--output", type=Path)
+    options = parser.parse_args()
+    if options.token_norm:
+        results = sweep_token_norm(options.token_norm)
+    elif options.ops:
+        results = sweep_rows(options)
+    else:
+        parser.error("--ops or --token-norm")
     if options.output:
         options.output.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=results), indent=1) + "\n")
 

@@ -441,3 +441,17 @@ def test_the_launch_sweep_sets_every_row_table_to_one_setting():
                     chosen = launch.row_launch(kernel, 100, 3072, owners)
                     assert (chosen.num_warps, chosen.rows_per_program, chosen.programs_per_sm, chosen.stages) == (
                         2, 1, *expected), (kernel, owner)
+
+
+def test_the_token_norm_sweep_gives_every_width_the_setting_swept(monkeypatch):
+    """benchmarks/launch_sweep.py --token-norm: one rotary_token_norm class, block x items, up to
+    the registry's widest token norm."""
+    from ditops.backends import compiled
+
+    sweep = script_module("benchmarks/launch_sweep.py")
+    settings = compiled._launch_settings()
+    table = sweep.token_norm_table(settings, 64, 3)
+    monkeypatch.setattr(compiled, "_launch_settings", lambda: table)
+    for hidden in (8, 1536, 5120, settings["rotary_token_norm"][-1]["max_hidden"]):
+        instance = compiled.rotary_token_norm_instance(torch.bfloat16, True, hidden)
+        assert instance.template_arguments[2:] == (64, 3) and instance.block == 64
