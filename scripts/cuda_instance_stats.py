@@ -1,9 +1,9 @@
 """Registers, spills and machine instructions of one CUDA kernel instance, with no GPU: the
 screen to run on a kernel change before spending GPU time on it. The row kernels' speed
-follows their registers (occupancy) and instructions per element (benchmarks/README.md,
-"Why the kernels miss"). Compiles with NVRTC like the cuda backend; with --sass also
-disassembles the cubin with nvdisasm (`pip install nvidia-cuda-nvdisasm`) and counts the
-instructions by opcode. Usage:
+follows their registers (occupancy) and instructions per element (benchmarks/README.md, "Why
+the FP8 rows miss the copy on the H200"). Compiles with NVRTC like the cuda backend; with
+--sass also disassembles the cubin with nvdisasm (`pip install nvidia-cuda-nvdisasm`) and
+counts the instructions by opcode. Usage:
   python scripts/cuda_instance_stats.py modulated_norm --hidden 3072 --affine --sass
   python scripts/cuda_instance_stats.py modulated_norm --hidden 3072 --fp8 float8_e4m3fn
   python scripts/cuda_instance_stats.py rotary --head-size 128 --dtype float16
