@@ -56,17 +56,33 @@ def case_inputs(case) -> list:
     return [first] + [case.build("cuda", torch.bfloat16, generator) for _ in range(sets - 1)]
 
 
-def time_case(case, inputs: list, table) -> float:
-    """Microseconds per call of the case's op on triton under launch table ``table`` (None: as it is)."""
-    original = launch._settings
+# Where each timed backend reads its launch table: Triton's row kernels (configs/triton_launch.yaml),
+# the compiled kernels (configs/compiled_launch.yaml).
+_TABLES = {"triton": (launch, "_settings"), "cuda": (compiled, "_launch_settings")}
+
+
+def time_case(case, inputs: list, table, backend: str = "triton") -> float:
+    """Microseconds per call of the case's op on ``backend`` under its launch table ``table``
+    (None: as it is)."""
+    owner, name = _TABLES[backend]
+    original = getattr(owner, name)
     if table is not None:
-        launch._settings = lambda: table
+        setattr(owner, name, lambda: table)
     reset()  # a new plan table: the calls bind kernels under this launch table
     try:
-        return timing.cuda_graph([lambda a=a: PUBLIC[case.op](**a, backend="triton") for a in inputs]).us
+        return timing.cuda_graph([lambda a=a: PUBLIC[case.op](**a, backend=backend) for a in inputs]).us
     finally:
-        launch._settings = original
+        setattr(owner, name, original)
         reset()
+
+
+def baseline(case, backend: str) -> tuple:
+    """(inputs, same-size copy us, us under the launch table as it is) of a case, printed."""
+    inputs = case_inputs(case)
+    copy = min(timing.copy_us("cuda", minimum_bytes(case.op, inputs[0]), len(inputs)).values())
+    tabled = time_case(case, inputs, None, backend)
+    print(f"\n{case.op} {case.model} {case.shape}: same-size copy {copy:.1f} us, launch table {tabled:.1f} us")
+    return inputs, copy, tabled
 
 
 def token_norm_table(settings: dict, block: int, items: int) -> dict:
@@ -76,32 +92,16 @@ def token_norm_table(settings: dict, block: int, items: int) -> dict:
     return dict(settings, rotary_token_norm=[dict(max_hidden=widest, block=block, items=items)])
 
 
-def time_token_norm(case, inputs: list, table) -> float:
-    """Microseconds per call of the case on cuda under compiled launch table ``table`` (None: as it is)."""
-    original = compiled._launch_settings
-    if table is not None:
-        compiled._launch_settings = lambda: table
-    reset()  # a new plan table: the calls bind kernel instances under this launch table
-    try:
-        return timing.cuda_graph([lambda a=a: PUBLIC[case.op](**a, backend="cuda") for a in inputs]).us
-    finally:
-        compiled._launch_settings = original
-        reset()
-
-
 def sweep_token_norm(settings_text: list) -> list:
     settings = compiled._launch_settings()
     results = []
     for case in CASES:
         if case.op != "qk_norm_rope_" or "token norm" not in case.model:
             continue
-        inputs = case_inputs(case)
-        copy = min(timing.copy_us("cuda", minimum_bytes(case.op, inputs[0]), len(inputs)).values())
-        tabled = time_token_norm(case, inputs, None)
-        print(f"\n{case.op} {case.model} {case.shape}: same-size copy {copy:.1f} us, launch table {tabled:.1f} us")
+        inputs, copy, tabled = baseline(case, "cuda")
         for text in settings_text:
             block, items = (int(part) for part in text.split("x"))
-            us = time_token_norm(case, inputs, token_norm_table(settings, block, items))
+            us = time_case(case, inputs, token_norm_table(settings, block, items), "cuda")
             results.append(dict(op=case.op, model=case.model, shape=case.shape, block=block, items=items, us=us,
                                 tabled_us=tabled, same_size_copy_us=copy))
             print(f"  block {block:4d} items {items}: {us:8.1f} us ({100 * copy / us:.0f}% of the copy, "
@@ -116,10 +116,7 @@ def sweep_rows(options) -> list:
     for case in CASES:
         if case.op not in options.ops or not any(s in case.model or s in case.shape for s in options.shapes):
             continue
-        inputs = case_inputs(case)
-        copy = min(timing.copy_us("cuda", minimum_bytes(case.op, inputs[0]), len(inputs)).values())
-        tabled = time_case(case, inputs, None)
-        print(f"\n{case.op} {case.model} {case.shape}: same-size copy {copy:.1f} us, launch table {tabled:.1f} us")
+        inputs, copy, tabled = baseline(case, "triton")
         for warps, rows, loop in itertools.product(options.warps, options.rows, loops):
             try:
                 us = time_case(case, inputs, table_with(settings, warps, rows, loop))
@@ -131,7 +128,6 @@ def sweep_rows(options) -> list:
             print(f"  num_warps {warps:2d} rows {rows} loop {loop[0]}x{loop[1]}: {us:8.1f} us "
                   f"({100 * copy / us:.0f}% of the copy, {tabled / us:.2f}x the table's)", flush=True)
     return results
-
 
 
 def main() -> None:
