@@ -21,8 +21,9 @@ one process (the degree-1 speedup on the same host). Ring attention needs a back
 the log-sum-exp: ``--backend`` (default ``_native_cudnn``: torch's cuDNN attention, which
 diffusers registers with context-parallel support and LSE; it runs on H100/H200 in bf16) is used
 by every run here, the reference included. Modes: ``eager``, ``compile`` (torch.compile of the
-whole model, default mode) and ``regional`` (diffusers' ``compile_repeated_blocks``, not run by
-default: ``python benchmarks/multigpu.py --models flux --modes eager regional``).
+whole model, default mode), ``reduce-overhead`` (the same with CUDA graphs; ``cudagraph_skips``
+counts the graphs Inductor ran without them) and ``regional`` (diffusers' ``compile_repeated_blocks``);
+the last two are not run by default: ``python benchmarks/multigpu.py --models flux --modes eager regional``.
 
 Usage:
     torchrun --nproc-per-node 2 benchmarks/multigpu.py          # ulysses2 and ring2
@@ -184,6 +185,7 @@ def measure(name: str, parallel: str, arguments, device) -> list:
         row = {"model": name, "parallel": f"{parallel}{world}", "mode": mode}
         try:
             torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
             runs = {}
             for variant in ("baseline", "ditops"):
                 _set_variant(model, variant)
@@ -191,7 +193,8 @@ def measure(name: str, parallel: str, arguments, device) -> list:
                     row["cp_calls"], row["attention_calls"] = count_attention_calls(model, inputs)
                 if mode == "regional":
                     model.compile_repeated_blocks()
-                runs[variant] = torch.compile(model) if mode == "compile" else model
+                compiled = {"compile": "default", "reduce-overhead": "reduce-overhead"}.get(mode)
+                runs[variant] = torch.compile(model, mode=compiled) if compiled else model
                 # the first call compiles; Dynamo's guards on the patched modules keep one graph per variant
                 output = forward(runs[variant], inputs)
                 row["rel_err" if variant == "ditops" else "baseline_rel_err"] = relative_error(output, reference)
@@ -206,6 +209,8 @@ def measure(name: str, parallel: str, arguments, device) -> list:
                 row[f"{variant}_ms"], row[f"{variant}_rounds_ms"] = statistics.median(times), times
                 row[f"{variant}_host_ms"] = statistics.median(issued[variant])
             row["speedup"] = row["baseline_ms"] / row["ditops_ms"]
+            if mode == "reduce-overhead":
+                row["cudagraph_skips"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
         except Exception as error:  # noqa: BLE001  the row says what failed; the other rows still run
             row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
         uncompile(model)
@@ -253,7 +258,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--parallel", nargs="+", choices=["ulysses", "ring"], default=["ulysses", "ring"],
                         help="context-parallel kinds when run under torchrun with more than one process")
-    parser.add_argument("--modes", nargs="+", choices=["eager", "compile", "regional"], default=["eager", "compile"],
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compile", "reduce-overhead", "regional"],
+                        default=["eager", "compile"],
                         help="regional: diffusers' compile_repeated_blocks (torch.compile of each block)")
     parser.add_argument("--blocks", type=int, default=2, help="double and single blocks (FLUX), blocks (Wan)")
     parser.add_argument("--backend", default=None,
