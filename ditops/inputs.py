@@ -52,8 +52,9 @@ def activation(generator, device, dtype, shape, layout="contiguous", special_val
     return t
 
 
-def modulation(generator, device, dtype, form, batch, tokens, hidden, frames=3) -> torch.Tensor:
-    """One modulation tensor in a form of docs/ops.md; values around 0.5 so that 1 + scale is not ~1."""
+def modulation(generator, device, dtype, form, batch, tokens, hidden, frames=3, table_rows=0) -> torch.Tensor:
+    """One modulation tensor in a form of docs/ops.md; values around 0.5 so that 1 + scale is not ~1.
+    The table forms have ``table_rows`` (K) rows, read through a modulation_index."""
     rand = lambda *shape: random(generator, device, dtype, *shape) * 0.5  # noqa: E731
     if form == "scalar":
         return rand()
@@ -79,8 +80,15 @@ def modulation(generator, device, dtype, form, batch, tokens, hidden, frames=3) 
         return rand(batch, 1, hidden).expand(batch, tokens, hidden)
     if form == "frame":
         return rand(batch, frames, 1, hidden)
+    if form == "table":
+        return rand(table_rows, hidden)
+    if form == "table_view":  # a [K, D] chunk of a [K, 6 * D] tensor, as MiniMax-H3 chunks its AdaLN table
+        return rand(table_rows, 6 * hidden)[:, 2 * hidden : 3 * hidden]
+    if form == "batch_table":
+        return rand(batch, table_rows, hidden)
     raise ValueError(f"modulation form must be one of scalar, scalar1, vector, vector3, batch, batch_view, "
-                     f"batch3_view, batch3, token, token1, token_expanded, frame; got {form!r}")
+                     f"batch3_view, batch3, token, token1, token_expanded, frame, table, table_view, batch_table; "
+                     f"got {form!r}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,8 @@ class RowSpec:
     zero_rows: bool = False  # quantize_fp8: every other row of x (and of its prefix) all zeros (the dynamic scale's floor)
     prefix: int = 0  # quantize_fp8: the width P of a prefix (x's layout) quantised with x's rows; 0: no prefix
     prefix_special_values: bool = False  # quantize_fp8: NaN and Inf planted in the prefix, as special_values does in x
+    table_rows: int = 0  # K of the table modulation forms; > 0: the call takes a modulation_index (modulation_index below)
+    table_index: str = "batch"  # that index: "batch", "batch_int32", "shared" or "out_of_range" (modulation_index below)
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,21 @@ class HeadSpec:
     weight_dtypes: tuple = (torch.float32, None)  # qk_norm_rope_'s q_weight and k_weight; None: the activations' dtype
     spare_cache_rows: int = 5  # cache rows past the last position a call reads (a cache sized for longer sequences)
     norm_over: str = "head"  # qk_norm_rope_'s RMSNorm: per head, or over all heads of a token ("token", weights [H * Dh])
+
+
+def modulation_index(spec: RowSpec, device, generator) -> Optional[torch.Tensor]:
+    """The modulation_index of a call with tables (spec.table_rows K > 0), else None: "batch",
+    [B, S] int64 values in [0, K); "batch_int32", the same as int32; "shared", [S] int64 values
+    in [0, K), one row choice for every batch item (MiniMax-H3's packed sequence);
+    "out_of_range", [B, S] int64 values in [-K, 2K), which the ops clamp into [0, K)."""
+    if not spec.table_rows:
+        return None
+    shape = (spec.tokens,) if spec.table_index == "shared" else (spec.batch, spec.tokens)
+    dtype = torch.int32 if spec.table_index == "batch_int32" else torch.int64
+    if is_meta(device):
+        return torch.empty(shape, dtype=dtype, device="meta")
+    low, high = (-spec.table_rows, 2 * spec.table_rows) if spec.table_index == "out_of_range" else (0, spec.table_rows)
+    return torch.randint(low, high, shape, generator=generator, device=generator.device).to(device=device, dtype=dtype)
 
 
 def selection_index(spec: RowSpec, device, generator) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import Tensor
 from . import validation
 from .backends import reference
 from .dispatch import Features, describe, device_of, fp8_dtypes
-from .inputs import HeadSpec, RowSpec, activation, is_meta, modulation, random, selection_index
+from .inputs import HeadSpec, RowSpec, activation, is_meta, modulation, modulation_index, random, selection_index
 
 InputSpec = Union[RowSpec, HeadSpec]
 
@@ -145,14 +145,14 @@ def _fp8_arguments(op, x, fp8_dtype, static_scale) -> dict:
     return dict(params=(static_scale,), out_dtype=out_dtype, out_dtype_native=out_dtype in formats)
 
 
-def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, describe_call,
+def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, modulation_index, describe_call,
                                extra: Optional[Callable] = None) -> Optional[Features]:
     """The norm op's checks and features; ``extra``: the FP8 form's further checks, after these
     (``_fp8_arguments``: what describe() takes of them)."""
     validation.tensor(op, "x", x)
     device = x.device
     shape = validation.rows(op, "x", x)
-    forms = (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
+    forms = validation.modulations(op, dict(scale=scale, shift=shift), shape, device, modulation_index)
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
     extra = extra() if extra else {}
     if describe_call and x.numel():
@@ -160,23 +160,25 @@ def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, des
                         batch_size=shape.batch, norm=norm, modulation=forms, **extra)
 
 
-def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, describe_call=True) -> Optional[Features]:
-    return _norm_scale_shift_features("norm_scale_shift", x, scale, shift, weight, bias, norm, eps, describe_call)
+def _check_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, modulation_index,
+                            describe_call=True) -> Optional[Features]:
+    return _norm_scale_shift_features("norm_scale_shift", x, scale, shift, weight, bias, norm, eps, modulation_index,
+                                      describe_call)
 
 
-def _check_norm_scale_shift_fp8(x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale,
+def _check_norm_scale_shift_fp8(x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, modulation_index,
                                 describe_call=True) -> Optional[Features]:
     op = "norm_scale_shift_fp8"
-    return _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, describe_call,
+    return _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, modulation_index, describe_call,
                                       lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
 
 
-def _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call,
-                                        extra: Optional[Callable] = None) -> Optional[Features]:
+def _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, weight, bias, norm, eps, modulation_index,
+                                        describe_call, extra: Optional[Callable] = None) -> Optional[Features]:
     device = validation.activation_pair(op, "x", x, "residual", residual)
     shape = validation.rows(op, "x", x)
-    gate_form = () if gate is None else (validation.modulation(op, "gate", gate, shape, device),)  # None: a gate of 1
-    forms = gate_form + (validation.modulation(op, "scale", scale, shape, device), validation.modulation(op, "shift", shift, shape, device))
+    named = dict(scale=scale, shift=shift) if gate is None else dict(gate=gate, scale=scale, shift=shift)  # None: a gate of 1
+    forms = validation.modulations(op, named, shape, device, modulation_index)
     _norm_arguments(op, shape, device, weight, bias, norm, eps)
     extra = extra() if extra else {}
     if describe_call and x.numel():
@@ -187,17 +189,19 @@ def _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, wei
 
 
 def _check_residual_norm_scale_shift(
-    x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call=True
+    x, residual, gate, scale, shift, weight, bias, norm, eps, modulation_index, describe_call=True
 ) -> Optional[Features]:
     return _residual_norm_scale_shift_features("residual_norm_scale_shift", x, residual, gate, scale, shift, weight, bias,
-                                               norm, eps, describe_call)
+                                               norm, eps, modulation_index, describe_call)
 
 
 def _check_residual_norm_scale_shift_fp8(
-    x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, describe_call=True
+    x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, modulation_index,
+    describe_call=True
 ) -> Optional[Features]:
     op = "residual_norm_scale_shift_fp8"
-    return _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, weight, bias, norm, eps, describe_call,
+    return _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, weight, bias, norm, eps,
+                                               modulation_index, describe_call,
                                                lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
 
 
@@ -432,7 +436,8 @@ class _Rows:
 
     def modulation(self, form: str) -> Tensor:
         spec = self.spec
-        return modulation(self.generator, self.device, self.param_dtype, form, spec.batch, spec.tokens, spec.hidden)
+        return modulation(self.generator, self.device, self.param_dtype, form, spec.batch, spec.tokens, spec.hidden,
+                          table_rows=spec.table_rows)
 
     def affine(self) -> Optional[Tensor]:
         return random(self.generator, self.device, self.weight_dtype, self.spec.hidden) if self.spec.affine else None
@@ -444,13 +449,14 @@ class _Rows:
 def _norm_scale_shift_inputs(spec: RowSpec, dtype, device, generator) -> dict:
     r = _Rows(spec, dtype, device, generator)
     return dict(x=r.x(), scale=r.modulation(spec.scale), shift=r.modulation(spec.shift), weight=r.affine(), bias=r.bias(),
-                norm=spec.norm)
+                norm=spec.norm, modulation_index=modulation_index(spec, device, generator))
 
 
 def _residual_norm_scale_shift_inputs(spec: RowSpec, dtype, device, generator) -> dict:
     r = _Rows(spec, dtype, device, generator)
     return dict(x=r.x(), residual=r.x(), gate=r.modulation(spec.gate) if spec.gate else None, scale=r.modulation(spec.scale),
-                shift=r.modulation(spec.shift), weight=r.affine(), bias=r.bias(), norm=spec.norm)
+                shift=r.modulation(spec.shift), weight=r.affine(), bias=r.bias(), norm=spec.norm,
+                modulation_index=modulation_index(spec, device, generator))
 
 
 _SETS = ("scale0", "shift0", "gate0", "scale1", "shift1", "gate1")
@@ -589,13 +595,14 @@ def _typical_heads(shape: tuple, param_dtype: Optional[torch.dtype]) -> HeadSpec
 def _residual_norm_scale_shift_oracle(named: dict, results: tuple, dtype) -> tuple:
     residual_out = results[1]
     y = reference.norm_scale_shift(_stored(residual_out, dtype), named["scale"], named["shift"], named["weight"],
-                                   named["bias"], named["norm"], named["eps"])
+                                   named["bias"], named["norm"], named["eps"], named["modulation_index"])
     return y, residual_out
 
 
 def _residual_norm_scale_shift_fp8_oracle(named: dict, results: tuple, dtype) -> tuple:
     residual_out = results[2]
-    arguments = {key: named[key] for key in ("scale", "shift", "weight", "bias", "norm", "eps", "fp8_dtype", "static_scale")}
+    arguments = {key: named[key] for key in ("scale", "shift", "weight", "bias", "norm", "eps", "fp8_dtype", "static_scale",
+                                             "modulation_index")}
     y, y_scale = reference.norm_scale_shift_fp8(_stored(residual_out, dtype), **arguments)
     return y, y_scale, residual_out
 
@@ -661,6 +668,11 @@ _NORM_BENCH = (
     BenchShape("Wan2.1-14B 720p", "B1 S75600 D5120", _rows(1, 75600, 5120, **_WAN)),
     BenchShape("HunyuanVideo 720p", "B1 S118800 D3072", _rows(1, 118800, 3072)),
     BenchShape("Qwen-Image 1024px", "B1 S4096 D3072", _rows(1, 4096, 3072, affine=True)),
+    # each token's modulation a row of the block's table of K = 6 (timestep, modality) rows:
+    # [K, D] chunks of one [K, 6 * D] tensor, read through one [S] index for the batch
+    BenchShape("MiniMax-H3 (K=6 modulation tables)", "B1 S4096 D5376",
+               dataclasses.replace(_rows(1, 4096, 5376, norm="rms", affine=True), scale="table_view", shift="table_view",
+                                   gate="table_view", table_rows=6, table_index="shared")),
 )
 _LATENCY_ROWS = BenchShape("latency", "B1 S128 D3072", _rows(1, 128, 3072))
 _SELECT_BENCH = (
@@ -718,6 +730,19 @@ ROW_SPECS = {
     "gate-none": RowSpec(2, 4, 192, gate=None),
     "nan-inf": RowSpec(2, 4, 96, special_values=True),
     "empty": RowSpec(2, 0, 256),
+    # tables of K rows read through a per-token modulation_index: MiniMax-H3's width and its
+    # [K, D] chunks of one [K, 6 * D] table with one index for every batch item, K = 1 and 2
+    # (Z-Image Omni's noisy and clean sets), [B, K, D] tables beside scalars and vectors, int32
+    # indices, values outside [0, K) (clamped) and a 2-D x
+    "table-minimax": RowSpec(2, 8, 5376, "table_view", "table_view", "table_view", norm="rms", table_rows=6,
+                             table_index="shared"),
+    "table-k1": RowSpec(2, 5, 256, "table", "batch_table", "table", table_rows=1),
+    "table-k2-odd-d1000": RowSpec(2, 7, 1000, "batch_table", "vector", "table", table_rows=2,
+                                  table_index="batch_int32"),
+    "table-out-of-range": RowSpec(2, 9, 384, "table", "scalar", "batch_table", norm="rms", table_rows=6,
+                                  table_index="out_of_range", param_dtype=torch.float32),
+    "table-two-d-x": RowSpec(1, 11, 320, "batch_table", "table", "table", two_d=True, table_rows=6),
+    "table-empty": RowSpec(2, 0, 256, "table", "table", "table", table_rows=6),
 }
 
 SELECT_SPECS = {
@@ -781,12 +806,13 @@ TOKEN_NORM_SPECS = {
 }
 
 # FP8 outputs: the bf16 ops' row cases that vary what the quantisation sees (widths, forms,
-# layouts, NaN/Inf), plus a static scale small enough that values saturate.
+# layouts, NaN/Inf), plus a static scale small enough that values saturate, and the table cases.
 FP8_ROW_SPECS = {
     **{name: ROW_SPECS[name] for name in ("wan1.3b-fp32-mod", "hunyuan-chunked-mod", "flux2-rms", "odd-d1000-token-mod",
                                           "wide-d8200", "per-frame", "strided-x", "misaligned", "two-d-x", "gate-none",
                                           "nan-inf", "empty")},
     "static-saturating": RowSpec(2, 6, 512, static_scale=2e-3),
+    **{name: spec for name, spec in ROW_SPECS.items() if name.startswith("table-")},
 }
 
 # The select and sandwich-norm ops' FP8 forms: their bf16 cases of other widths and layouts,
@@ -843,12 +869,14 @@ T, OT = Tensor, Optional[Tensor]
 
 
 def norm_scale_shift(x: T, scale: T, shift: T, *, weight: OT = None, bias: OT = None, norm: str = "layer",
-                     eps: float = 1e-6) -> Tensor:
+                     eps: float = 1e-6, modulation_index: OT = None) -> Tensor:
     """``y = norm(x) * (1 + scale) + shift``.
 
     x: [B, S, D] or [N, D]; scale, shift: a modulation form of docs/ops.md ([], [D], [B, D],
     [B, S, D], [B, F, 1, D], ...); weight, bias: [D] or None; norm: "layer" or "rms".
-    Returns a new y shaped and typed like x.
+    modulation_index: None, or an int32/int64 [B, S] or [S]: then a 2-D or 3-D scale or shift
+    is a table, [K, D] or [B, K, D], and token (b, s) reads its row modulation_index[b, s],
+    clamped into [0, K). Returns a new y shaped and typed like x.
 
     >>> import torch, ditops
     >>> x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
@@ -856,15 +884,19 @@ def norm_scale_shift(x: T, scale: T, shift: T, *, weight: OT = None, bias: OT = 
     >>> y = ditops.norm_scale_shift(x, modulation[:, 1], modulation[:, 0])
     >>> y.shape, y.dtype
     (torch.Size([2, 16, 64]), torch.bfloat16)
+    >>> table = torch.randn(6, 2, 64)  # K = 6 rows of (scale, shift), MiniMax-H3's (timestep, modality) pairs
+    >>> rows = torch.randint(0, 6, (16,))  # each token's row, the same for every batch item
+    >>> ditops.norm_scale_shift(x, table[:, 0], table[:, 1], modulation_index=rows).shape
+    torch.Size([2, 16, 64])
     """
 
 
 def residual_norm_scale_shift(x: T, residual: T, gate: OT, scale: T, shift: T, *, weight: OT = None, bias: OT = None,
-                              norm: str = "layer", eps: float = 1e-6) -> tuple:
+                              norm: str = "layer", eps: float = 1e-6, modulation_index: OT = None) -> tuple:
     """``residual_out = residual + gate * x`` (stored in x.dtype), ``y = norm(residual_out) * (1 + scale) + shift``.
 
-    x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: modulation forms.
-    Returns (y, residual_out).
+    x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: modulation forms, or
+    tables read through modulation_index as in ``norm_scale_shift``. Returns (y, residual_out).
 
     >>> import torch, ditops
     >>> attention, residual = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
@@ -977,7 +1009,8 @@ def rope_(q: T, k: OT, cos_sin_cache: T, positions: OT = None, *, interleaved: b
 
 
 def norm_scale_shift_fp8(x: T, scale: T, shift: T, *, weight: OT = None, bias: OT = None, norm: str = "layer",
-                         eps: float = 1e-6, fp8_dtype: Optional[torch.dtype] = None, static_scale: OT = None) -> tuple:
+                         eps: float = 1e-6, fp8_dtype: Optional[torch.dtype] = None, static_scale: OT = None,
+                         modulation_index: OT = None) -> tuple:
     """``norm_scale_shift`` with its y quantised for an FP8 GEMM, in the same pass.
 
     Returns (y, y_scale): y FP8 (fp8_dtype; None: the device's format, dispatch.fp8_dtypes)
@@ -997,7 +1030,8 @@ def norm_scale_shift_fp8(x: T, scale: T, shift: T, *, weight: OT = None, bias: O
 
 def residual_norm_scale_shift_fp8(x: T, residual: T, gate: OT, scale: T, shift: T, *, weight: OT = None,
                                   bias: OT = None, norm: str = "layer", eps: float = 1e-6,
-                                  fp8_dtype: Optional[torch.dtype] = None, static_scale: OT = None) -> tuple:
+                                  fp8_dtype: Optional[torch.dtype] = None, static_scale: OT = None,
+                                  modulation_index: OT = None) -> tuple:
     """``residual_norm_scale_shift`` with its y quantised as ``norm_scale_shift_fp8`` does.
 
     Returns (y, y_scale, residual_out); residual_out is stored in x.dtype and y normalises it as stored.

@@ -97,11 +97,14 @@ def prefix(op: str, name: str, t, x: torch.Tensor) -> int:
     return t.shape[-1]
 
 
-def modulation(op: str, name: str, t, x_rows: RowShape, device: torch.device) -> str:
+def modulation(op: str, name: str, t, x_rows: RowShape, device: torch.device, tables: bool = False) -> str:
     """Checks a scale/shift/gate tensor against x and returns its form (docs/ops.md, "Modulation tensors").
 
     Forms: "scalar", "vector" (one [D] for all rows), "batch" (one per batch item),
     "token" (one per token), "frame" ([B, F, 1, D]: token s uses frame s // (S // F)).
+    With ``tables`` (the call has a modulation_index) every 2-D or 3-D tensor is a "table" of
+    K >= 1 rows, [K, D] or [B, K, D] ([1, K, D]), token (b, s) reading row index[b, s]: a
+    [B, D] or [B, S, D] tensor is then read as a table, and a [B, F, 1, D] one is refused.
     """
     tensor(op, name, t, ACTIVATION_DTYPES, device)
     B, S, D = x_rows
@@ -109,6 +112,13 @@ def modulation(op: str, name: str, t, x_rows: RowShape, device: torch.device) ->
     n = len(shape)
     if n == 0 or shape == (1,):
         return "scalar"
+    if tables:
+        if shape == (D,):
+            return "vector"
+        if shape[-1] == D and (n == 2 or n == 3 and shape[0] in (1, B)) and shape[-2] > 0:
+            return "table"
+        fail(op, name, f"has shape {list(shape)} with modulation_index given",
+             f"one of [], [1], [D] or a table [K, D], [B, K, D], [1, K, D] with K >= 1 (here B={B}, D={D})")
     if shape[-1] == D:
         if n == 1 or shape[:-1] in ((1,), (1, 1)):
             return "vector"
@@ -125,6 +135,37 @@ def modulation(op: str, name: str, t, x_rows: RowShape, device: torch.device) ->
         f"one of [], [1], [D], [1, D], [1, 1, D], [B, D], [B, 1, D], [B, S, D], [1, S, D], "
         f"[B, F, 1, D] with S % F == 0 (here B={B}, S={S}, D={D})",
     )
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def modulation_index(op: str, index, x_rows: RowShape, device: torch.device) -> None:
+    """A modulation_index: int32 or int64 on x's device, [B, S], or [S] for every batch item alike."""
+    tensor(op, "modulation_index", index, INDEX_DTYPES, device)
+    B, S, _ = x_rows
+    if tuple(index.shape) not in ((B, S), (S,)):
+        fail(op, "modulation_index", f"has shape {_shape(index)}", f"[B, S] = [{B}, {S}] or [S] = [{S}]")
+
+
+def modulations(op: str, named: dict, x_rows: RowShape, device: torch.device, index) -> tuple:
+    """Checks a call's modulation tensors (name -> tensor) and its modulation_index (None: the
+    call has none), and returns their forms in order. The tables of a call share one K: a
+    row's index value is clamped into [0, K) once, whichever table it then reads."""
+    if index is None:
+        return tuple(modulation(op, name, t, x_rows, device) for name, t in named.items())
+    modulation_index(op, index, x_rows, device)
+    forms, first = [], None
+    for name, t in named.items():
+        form = modulation(op, name, t, x_rows, device, tables=True)
+        if form == "table":
+            if first is None:
+                first = name
+            elif t.shape[-2] != named[first].shape[-2]:
+                fail(op, name, f"has K={t.shape[-2]} rows",
+                     f"the K of {first}, {named[first].shape[-2]} (the tables of a call have one K)")
+        forms.append(form)
+    return tuple(forms)
 
 
 def affine(op: str, name: str, t, hidden: int, device: torch.device) -> None:

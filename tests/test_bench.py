@@ -610,3 +610,19 @@ LAYOUTS = {
 def test_eager_matches_reference_in_the_real_layouts(op):
     """The layouts the CPU stand-ins leave out: float32 [B, 1, D] modulation, positions, NeoX, GQA, [B, S, H, Dh]."""
     _eager_matches_reference(op, opspec.SPECS[op].build(LAYOUTS[op], F32, "cpu", generator(2)))
+
+
+TABLE_OPS = ["norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift_fp8", "residual_norm_scale_shift_fp8"]
+
+
+@pytest.mark.parametrize("op", TABLE_OPS)
+def test_eager_matches_reference_with_modulation_tables(op):
+    """The MiniMax-H3 row (K = 6 tables, one [S] index), at its CPU stand-in, and [B, K, D]
+    tables with a [B, S] index: the baseline selects rows as models do, the reference gathers."""
+    case = cpu_case(next(case for case in CASES if case.op == op and case.model.startswith("MiniMax-H3")))
+    arguments = case.build("cpu", F32, generator(3))
+    assert arguments["modulation_index"].shape == (256,) and arguments["scale"].shape == (6, 512)
+    _eager_matches_reference(op, arguments)
+    batched = dataclasses.replace(opspec._rows(2, 16, 64, modulation_dtype=F32), scale="batch_table",
+                                  shift="table", gate="batch_table", table_rows=3)
+    _eager_matches_reference(op, opspec.SPECS[op].build(batched, F32, "cpu", generator(4)))

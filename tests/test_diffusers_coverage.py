@@ -664,8 +664,9 @@ def test_minimax_h3_without_refiner_blocks_reports_no_refiner():
 
 
 def test_minimax_h3_runs_the_ops_on_each_rows_modulation(monkeypatch):
-    """Per block: norm1, norm2 with the attention's residual, the q/k norms + RoPE; the
-    modulation per row ([B, S, D]) as the rows' tags and timesteps select it."""
+    """Per block: norm1, norm2 with the attention's residual, the q/k norms + RoPE; the ops
+    take the block's [K, D] modulation tables and each row's table row as modulation_index,
+    as the rows' tags and timesteps select it."""
     calls = patched_calls(monkeypatch, tiny_minimax_h3, sorted(MINIMAX_OPS))
     assert calls == sorted(["norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"] * 2)
     model, inputs = tiny_minimax_h3()
@@ -673,11 +674,12 @@ def test_minimax_h3_runs_the_ops_on_each_rows_modulation(monkeypatch):
     scales = []
     original = integration.ops.norm_scale_shift
     monkeypatch.setattr(integration.ops, "norm_scale_shift",
-                        lambda x, scale, *a, **k: scales.append(scale) or original(x, scale, *a, **k))
+                        lambda x, scale, *a, **k: scales.append((scale, k["modulation_index"])) or original(x, scale, *a, **k))
     run(model, inputs)
     rows = inputs["timestep_indices"] * 3 + inputs["token_tags"]
     table = model.transformer_blocks[0].adaln_proj(model.time_embedder(model.time_proj(inputs["timestep"])))[1]
-    assert torch.equal(scales[0], table[rows].expand(2, -1, -1))
+    scale, index = scales[0]
+    assert scale.shape == (6, 32) and torch.equal(scale, table) and torch.equal(index, rows)
 
 
 def test_minimax_h3_block_traces_as_one_graph():

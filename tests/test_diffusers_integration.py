@@ -119,15 +119,21 @@ def test_z_image_runs_the_gated_add_ops(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_z_image_noise_mask_blocks_run_the_ops_with_per_token_modulation(dtype, monkeypatch):
     """Z-Image Omni's blocks with noise_mask: each token takes the noisy or the clean
-    modulation; patched, the same three norm ops take them as [B, S, D] tensors and match
-    diffusers' block."""
+    modulation; patched, the same three norm ops take them, norm_scale_shift its scale as a
+    [B, 2, D] table (clean, noisy) read through noise_mask, the others as [B, S, D] tensors,
+    and match diffusers' block."""
     model, _, _ = tiny_z_image(dtype)
     call = z_image_noise_mask_call(model, dtype)
     expected = call()
     integration.apply(model)
     calls = recorded_calls(monkeypatch, ("norm_scale_shift", "add_gate_norm_scale", "add_gate_norm"))
+    tables, recorded = [], integration.ops.norm_scale_shift
+    monkeypatch.setattr(integration.ops, "norm_scale_shift",
+                        lambda x, scale, *a, **k: tables.append((scale.shape, k["modulation_index"])) or recorded(x, scale, *a, **k))
     patched = call()
     assert sorted(calls) == ["add_gate_norm", "add_gate_norm_scale", "norm_scale_shift"]
+    (shape, index), = tables
+    assert shape == (2, 2, model.dim) and index.shape == (2, 11) and set(index.unique().tolist()) == {0, 1}
     tolerance = TOLERANCE[dtype] * len(calls)  # each op rounds once where diffusers rounds each step
     torch.testing.assert_close(patched, expected, atol=tolerance, rtol=tolerance)
     assert (patched - expected).norm() / expected.norm() <= 4 * torch.finfo(dtype).eps

@@ -511,6 +511,24 @@ def refusals_of(explanation) -> dict:
     return {row.backend: row.refusal for row in explanation.candidates}
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+@pytest.mark.parametrize("op", ["norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift_fp8",
+                                "residual_norm_scale_shift_fp8"])
+def test_modulation_tables_go_to_triton_with_the_compiled_backends_reason(op, arch, rocm_6):
+    """cuda and rocm take no table (registry.yaml: modulation); beside an index, scalars and
+    vectors alone are no table, and every backend may take the call."""
+    index = torch.randint(0, 6, (2, 8))
+    compiled = "cuda" if arch.startswith("sm_") else "rocm"
+    with described(arch):  # the FP8 ops' arguments in the device's format
+        arguments = example_arguments(op, (2, 8, 64), torch.bfloat16, param_dtype=torch.float32)
+        names = [name for name in ("gate", "scale", "shift") if name in arguments]
+        tables = ditops.explain(op, **{**arguments, **{name: torch.randn(6, 64) for name in names}}, modulation_index=index)
+        vectors = ditops.explain(op, **{**arguments, **{name: torch.randn(64) for name in names}}, modulation_index=index)
+    assert tables.selected == "triton" and tables.features.modulation == ("table",) * len(names)
+    assert "supports modulation forms ['scalar', 'vector', 'batch', 'token', 'frame'], got ['table']" in refusals_of(tables)[compiled]
+    assert "modulation forms" not in (refusals_of(vectors)[compiled] or "")
+
+
 # Measured preferences (registry.yaml: preferences): a device class and a size range move
 # one backend first; elsewhere the order of `ops` holds.
 

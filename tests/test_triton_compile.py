@@ -164,7 +164,7 @@ def test_every_kernel_and_option_is_exercised():
     assert {kernel for kernel, *_ in found} == set(KERNELS)
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
-                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT", "QUANT", "HAS_STATIC_SCALE", "GELU"):
+                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT", "QUANT", "HAS_STATIC_SCALE", "GELU", "TABLE"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
@@ -365,6 +365,25 @@ def test_row_grid_loops_only_over_invariant_modulation():
         launch.row_grid(plain, x, 65536, 1, False)
 
 
+def test_a_table_read_through_the_index_is_never_hoisted(monkeypatch):
+    """Under a row loop, tables whose rows differ (K > 1) are read per row at the index (TABLE),
+    never loaded once per program (HOIST); a table of one row, or of K rows expanded from one,
+    is the same for every token: hoisted, and the index left unread."""
+    monkeypatch.setattr(launch, "multiprocessors", lambda t: 1)
+    x, index = torch.randn(2, 64, 256), torch.randint(0, 4, (64,))
+    y = torch.empty_like(x)
+
+    def flags(scale, shift):
+        with simulated_device("sm_90"), launch_table(**row_loop_everywhere(1, 2)):
+            constexprs = triton_backend.norm_scale_shift_launch(x, scale, shift, None, None, "layer", 1e-6, index, y).constexprs
+        return constexprs["TABLE"], constexprs["HOIST"]
+
+    assert flags(torch.randn(4, 256), torch.randn(256)) == (True, False)
+    assert flags(torch.randn(()), torch.randn(2, 4, 256)) == (True, False)
+    assert flags(torch.randn(1, 256), torch.randn(2, 1, 256)) == (False, True)
+    assert flags(torch.randn(1, 256).expand(4, 256), torch.randn(256)) == (False, True)
+
+
 REGISTRY_MAX_HIDDEN = 16384  # the triton row entries' max_hidden_size in configs/registry.yaml
 
 
@@ -386,8 +405,9 @@ def test_fp8_calls_take_the_launch_tables_fp8_entries():
     with simulated_device("sm_90"):
         owners = launch.settings_of(x)
         fp8 = triton_backend.norm_scale_shift_fp8_launch(x, scale, shift, None, None, "layer", 1e-6,
-                                                         torch.float8_e4m3fn, None, y, y_scale)
-        bf16 = triton_backend.norm_scale_shift_launch(x, scale, shift, None, None, "layer", 1e-6, torch.empty_like(x))
+                                                         torch.float8_e4m3fn, None, None, y, y_scale)
+        bf16 = triton_backend.norm_scale_shift_launch(x, scale, shift, None, None, "layer", 1e-6, None,
+                                                      torch.empty_like(x))
     expected = {name: launch.row_launch(name, 64, 1536, owners).num_warps for name in ("modulated_norm_fp8", "modulated_norm")}
     assert expected["modulated_norm_fp8"] != expected["modulated_norm"]  # else this test tells nothing
     assert fp8.constexprs["num_warps"] == expected["modulated_norm_fp8"]

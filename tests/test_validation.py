@@ -213,6 +213,84 @@ SELECT = [
          "has shape [2, 8]", "the shape of x, [2, 6, 8]"),
 ]
 
+# ---- Modulation tables: modulation_index and the tables it reads (norm_scale_shift, residual_norm_scale_shift
+# and their FP8 forms).
+
+K = 4
+FP8 = dict(fp8_dtype=torch.float8_e4m3fn)  # the CPU has no FP8 format of its own
+TABLE_OPS = {
+    "norm_scale_shift": dict(scale=randn(K, D, seed=7), shift=randn(B, K, D, seed=8)),
+    "residual_norm_scale_shift": dict(gate=randn(1, K, D, seed=7), scale=randn(K, D, seed=8), shift=randn(D, seed=9)),
+    "norm_scale_shift_fp8": dict(scale=randn(K, D, seed=7), shift=randn(B, K, D, seed=8), **FP8),
+    "residual_norm_scale_shift_fp8": dict(gate=randn(1, K, D, seed=7), scale=randn(K, D, seed=8), shift=randn(D, seed=9),
+                                          **FP8),
+}
+INDEX_WANTED = "[B, S] = [2, 6] or [S] = [6]"
+TABLES_WANTED = "one of [], [1], [D] or a table [K, D], [B, K, D], [1, K, D] with K >= 1 (here B=2, D=8)"
+
+
+def _tables(op, **changes):
+    """Valid arguments of op with tables and an index [B, S], then ``changes``."""
+    index = torch.randint(0, K, (B, S), generator=torch.Generator().manual_seed(3))
+    return {**BUILDERS[op.removesuffix("_fp8")](), **TABLE_OPS[op], "modulation_index": index, **changes}
+
+
+TABLES = [
+    *(rule for op in TABLE_OPS for rule in (
+        case("index-not-tensor", op, _tables(op, modulation_index=[[0, 1]]), "modulation_index", "is a list",
+             "a torch.Tensor"),
+        case("index-float", op, _tables(op, modulation_index=torch.zeros(B, S)), "modulation_index",
+             "has dtype float32", "one of int32, int64"),
+        case("index-bool", op, _tables(op, modulation_index=torch.zeros(B, S, dtype=torch.bool)), "modulation_index",
+             "has dtype bool", "one of int32, int64"),
+        case("index-on-other-device", op, _tables(op, modulation_index=meta(B, S, dtype=torch.int64)),
+             "modulation_index", "is on meta", "cpu"),
+        case("index-shape", op, _tables(op, modulation_index=torch.zeros(B, S + 1, dtype=torch.int64)),
+             "modulation_index", "has shape [2, 7]", INDEX_WANTED),
+        case("index-flat", op, _tables(op, modulation_index=torch.zeros(B * S, dtype=torch.int32)), "modulation_index",
+             "has shape [12]", INDEX_WANTED),
+        case("index-one-batch-item", op, _tables(op, modulation_index=torch.zeros(1, S, dtype=torch.int64)),
+             "modulation_index", "has shape [1, 6]", INDEX_WANTED),
+        case("frame-with-index", op, _tables(op, scale=randn(B, 3, 1, D)), "scale",
+             "has shape [2, 3, 1, 8] with modulation_index given", TABLES_WANTED),
+        case("table-wrong-D", op, _tables(op, shift=randn(K, D + 1)), "shift",
+             "has shape [4, 9] with modulation_index given", TABLES_WANTED),
+        case("table-wrong-B", op, _tables(op, scale=randn(B + 1, K, D)), "scale",
+             "has shape [3, 4, 8] with modulation_index given", TABLES_WANTED),
+        case("table-no-rows", op, _tables(op, scale=randn(0, D)), "scale", "has shape [0, 8] with modulation_index given",
+             TABLES_WANTED),
+        case("tables-of-two-K", op, _tables(op, shift=randn(K + 2, D)), "shift", "has K=6 rows",
+             "the K of " + ("gate, 4" if op.startswith("residual") else "scale, 4")),
+    )),
+]
+
+
+@pytest.mark.parametrize("op, arguments, argument, got, wanted", TABLES)
+def test_bad_table_argument_raises(op, arguments, argument, got, wanted):
+    pattern = f"^{re.escape(op)}: {re.escape(argument)} .*{re.escape(got)}.*; wanted .*{re.escape(wanted)}"
+    with pytest.raises(ValueError, match=pattern):
+        getattr(ditops, op)(**arguments)
+
+
+@pytest.mark.parametrize("op", TABLE_OPS)
+def test_valid_table_forms_pass(op):
+    """Tables of K = 1 ([1, D] and [1, 1, D] are tables beside an index), [1, K, D], an index
+    shared by the batch items ([S]) and int32, out-of-range values (clamped), and scalars and
+    vectors beside tables; and, with no table at all, an index that nothing reads."""
+    shared = torch.tensor([0, 5, -1, 3, 2, 1], dtype=torch.int32)
+    residual = op.startswith("residual")
+    names = ("gate", "scale", "shift") if residual else ("scale", "shift")
+    two_d = {name: randn(S, D, seed=i) for i, name in enumerate(("x", "residual") if residual else ("x",))}
+    for arguments in (
+        _tables(op, **{name: randn(1, D, seed=i) if i % 2 else randn(1, 1, D, seed=i) for i, name in enumerate(names)}),
+        _tables(op, **{names[0]: randn(D), names[-1]: randn()}),
+        _tables(op, **{names[-1]: randn(1, K, D)}, modulation_index=shared),
+        _tables(op, **{name: randn(D, seed=i) for i, name in enumerate(names)}),
+        _tables(op, **two_d, **{names[-1]: randn(1, K, D)}, modulation_index=shared[None]),
+    ):
+        getattr(ditops, op)(**arguments)
+
+
 # ---- RoPE ops: q, k, cos_sin_cache, positions, offsets, flags.
 
 HEADS_WANTED = "[T, H, Dh] or [B, S, H, Dh]"
@@ -327,6 +405,10 @@ def test_in_place_ops_leave_q_and_k_unchanged(op, changes, argument):
         pytest.param({"shift": randn(B, 4, 1, D)}, id="shift-frames"),
         pytest.param({"bias": randn(D), "norm": "rms"}, id="bias-with-rms"),
         pytest.param({"eps": -1.0}, id="eps"),
+        pytest.param({"scale": randn(K, D), "modulation_index": torch.zeros(B, S + 1, dtype=torch.int64)},
+                     id="modulation_index-shape"),
+        pytest.param({"scale": randn(K, D), "shift": randn(K + 1, D), "modulation_index": torch.zeros(B, S, dtype=torch.int64)},
+                     id="tables-of-two-K"),
     ],
 )
 def test_residual_norm_scale_shift_leaves_inputs_unchanged(changes):

@@ -23,9 +23,9 @@ def available(device):
     return None if device.is_gpu else "needs a GPU"
 
 
-def norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
+def norm_scale_shift(x, scale, shift, weight, bias, norm, eps, modulation_index, y):
     CALLS.append("norm_scale_shift")
-    return reference.norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y)
+    return reference.norm_scale_shift(x, scale, shift, weight, bias, norm, eps, modulation_index, y)
 
 
 def rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
@@ -33,11 +33,11 @@ def rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offs
     return reference.rope_(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset)
 
 
-def broken_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
+def broken_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, modulation_index, y):
     rows = x.shape[-2] - 1
-    reference.norm_scale_shift(x[..., :rows, :], scale, shift, weight, bias, norm, eps, y[..., :rows, :])
+    reference.norm_scale_shift(x[..., :rows, :], scale, shift, weight, bias, norm, eps, modulation_index, y[..., :rows, :])
 
 
-def sloppy_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y):
-    reference.norm_scale_shift(x, scale, shift, weight, bias, norm, eps, y)
+def sloppy_norm_scale_shift(x, scale, shift, weight, bias, norm, eps, modulation_index, y):
+    reference.norm_scale_shift(x, scale, shift, weight, bias, norm, eps, modulation_index, y)
     y.add_(1e-2)

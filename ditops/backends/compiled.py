@@ -357,17 +357,19 @@ class CompiledOps:
         return self._rows_launch("modulated_norm", x, (gate, scale, shift, weight, bias), arguments, (weight, bias),
                                  y.dtype if y_scale is not None else None)
 
-    def norm_scale_shift_launch(self, x, scale, shift, weight, bias, norm, eps, y):
+    def norm_scale_shift_launch(self, x, scale, shift, weight, bias, norm, eps, modulation_index, y):
         return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
 
-    def residual_norm_scale_shift_launch(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
+    def residual_norm_scale_shift_launch(self, x, residual, gate, scale, shift, weight, bias, norm, eps, modulation_index, y,
+                                         residual_out):
         return self._modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
 
-    def norm_scale_shift_fp8_launch(self, x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, y, y_scale):
+    def norm_scale_shift_fp8_launch(self, x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale,
+                                    modulation_index, y, y_scale):
         return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None, y_scale, static_scale)
 
     def residual_norm_scale_shift_fp8_launch(self, x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype,
-                                             static_scale, y, y_scale, residual_out):
+                                             static_scale, modulation_index, y, y_scale, residual_out):
         return self._modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale,
                                     static_scale)
 

@@ -19,11 +19,15 @@ import torch.nn.functional as F
 from ..dispatch import fp8_dtypes
 
 
-def _per_token(t: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
-    """[B, D] modulation broadcast over tokens as models write it: t[:, None]; 3-D stays."""
-    if t is None or t.dim() != 2:
+def _per_token(t: Optional[torch.Tensor], x: torch.Tensor, index: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """[B, D] modulation broadcast over tokens as models write it: t[:, None]; 3-D stays. With a
+    modulation_index, a table's row per token, selected as MiniMax-H3 selects it (index_select)."""
+    if t is None or t.dim() < 2:
         return t
-    return t.unsqueeze(1) if x.dim() == 3 else t
+    if index is not None:
+        rows = t[index] if t.dim() == 2 else torch.take_along_dim(t, index.view(-1, index.shape[-1], 1), dim=1)
+        return rows if x.dim() == 3 else rows.view_as(x)
+    return t.unsqueeze(1) if t.dim() == 2 and x.dim() == 3 else t
 
 
 def _norm(v, weight, bias, norm, eps):
@@ -33,14 +37,17 @@ def _norm(v, weight, bias, norm, eps):
     return F.layer_norm(v, hidden, weight, bias, eps)
 
 
-def norm_scale_shift(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6):
-    y = _norm(x, weight, bias, norm, eps) * (1 + _per_token(scale, x)) + _per_token(shift, x)
+def norm_scale_shift(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, modulation_index=None):
+    y = (_norm(x, weight, bias, norm, eps) * (1 + _per_token(scale, x, modulation_index))
+         + _per_token(shift, x, modulation_index))
     return y.to(x.dtype)
 
 
-def residual_norm_scale_shift(x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6):
-    residual_out = (residual + _per_token(gate, x) * x).to(x.dtype)
-    y = _norm(residual_out, weight, bias, norm, eps) * (1 + _per_token(scale, x)) + _per_token(shift, x)
+def residual_norm_scale_shift(x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
+                              modulation_index=None):
+    residual_out = (residual + _per_token(gate, x, modulation_index) * x).to(x.dtype)
+    y = (_norm(residual_out, weight, bias, norm, eps) * (1 + _per_token(scale, x, modulation_index))
+         + _per_token(shift, x, modulation_index))
     return y.to(x.dtype), residual_out
 
 
@@ -125,13 +132,13 @@ def _quantize(v, fp8_dtype, static_scale):
 
 
 def norm_scale_shift_fp8(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, fp8_dtype=None,
-                         static_scale=None):
-    return _quantize(norm_scale_shift(x, scale, shift, weight, bias, norm, eps), fp8_dtype, static_scale)
+                         static_scale=None, modulation_index=None):
+    return _quantize(norm_scale_shift(x, scale, shift, weight, bias, norm, eps, modulation_index), fp8_dtype, static_scale)
 
 
 def residual_norm_scale_shift_fp8(x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
-                                  fp8_dtype=None, static_scale=None):
-    y, residual_out = residual_norm_scale_shift(x, residual, gate, scale, shift, weight, bias, norm, eps)
+                                  fp8_dtype=None, static_scale=None, modulation_index=None):
+    y, residual_out = residual_norm_scale_shift(x, residual, gate, scale, shift, weight, bias, norm, eps, modulation_index)
     return (*_quantize(y, fp8_dtype, static_scale), residual_out)
 
 
@@ -191,6 +198,8 @@ def liger(op: str, arguments: dict) -> Optional[Callable]:
     """Liger-Kernel's closest op for this call: LayerNorm (then torch modulation), its modulated
     RMSNorm, or its RoPE (NeoX layout, q/k as [B, H, S, Dh] views); None where it has none."""
     functional = _liger_functional()
+    if arguments.get("modulation_index") is not None:  # no table form
+        return None
     if op == "norm_scale_shift" and arguments.get("norm", "layer") == "rms":
         x, scale, shift = arguments["x"], arguments["scale"], arguments["shift"]
         weight = arguments.get("weight")

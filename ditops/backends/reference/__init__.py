@@ -50,6 +50,24 @@ def _broadcastable(t: Optional[Tensor], x: Tensor, dtype: torch.dtype) -> Option
     return t if x.dim() == 3 else t.reshape(-1, hidden)
 
 
+def _tables(index: Optional[Tensor], x: Tensor, *modulation: Optional[Tensor]) -> tuple:
+    """The modulation tensors of a call, each table (with a modulation_index, a 2-D [K, D] or
+    3-D [B, K, D] tensor: docs/ops.md) read at its rows' index values clamped into [0, K), as a
+    per-token [B, S, D] or [1, S, D] tensor; the other forms as given. The clamp keeps every
+    read inside the table, in every backend alike."""
+    if index is None:
+        return modulation
+    rows = (index if index.dim() == 2 else index.unsqueeze(0)).long()  # [B, S] or [1, S]
+    read = []
+    for t in modulation:
+        if t is not None and t.dim() > 1:
+            table = t if t.dim() == 3 else t.unsqueeze(0)
+            batch = torch.arange(table.shape[0], device=t.device).unsqueeze(1)
+            t = table[batch, rows.clamp(0, table.shape[1] - 1)]
+        read.append(t)
+    return tuple(read)
+
+
 def _normalize(v: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], norm: str, eps: float) -> Tensor:
     """LayerNorm (biased variance) or RMSNorm of v over its last dimension, with optional affine."""
     if norm == "layer":
@@ -82,26 +100,29 @@ def _gated_sum(x: Tensor, gate: Optional[Tensor], branch: Tensor, compute: torch
     return torch.addcmul(x.to(compute), _broadcastable(gate, branch, compute), branch)
 
 
-def norm_scale_shift(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, y=None):
+def norm_scale_shift(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, modulation_index=None, y=None):
     """y = norm(x) * (1 + scale) + shift.
 
-    x: [B, S, D] or [N, D]; scale, shift: any modulation form; weight, bias: [D] or None.
-    Returns y with x's shape and dtype.
+    x: [B, S, D] or [N, D]; scale, shift: any modulation form, tables with modulation_index
+    ([B, S] or [S]); weight, bias: [D] or None. Returns y with x's shape and dtype.
     """
+    scale, shift = _tables(modulation_index, x, scale, shift)
     compute = _compute_dtype(x)
     n = _normalize(x.to(compute), weight, bias, norm, eps)
     return _store(_modulate(n, scale, shift, x), y, x)
 
 
 def residual_norm_scale_shift(
-    x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, y=None, residual_out=None
+    x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6, modulation_index=None, y=None,
+    residual_out=None
 ):
     """residual_out = residual + gate * x (stored in x.dtype); y = norm(residual_out) * (1 + scale) + shift.
 
     The norm reads residual_out as stored, so y matches the residual the next block gets.
-    x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: any modulation form.
-    Returns (y, residual_out).
+    x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: any modulation form,
+    tables with modulation_index. Returns (y, residual_out).
     """
+    gate, scale, shift = _tables(modulation_index, x, gate, scale, shift)
     compute = _compute_dtype(x)
     summed = _store(_gated_sum(residual, gate, x.to(compute), compute), residual_out, x)
     n = _normalize(summed.to(compute), weight, bias, norm, eps)
@@ -143,18 +164,20 @@ def _quantize_rows(v: Tensor, fp8_dtype: torch.dtype, static_scale: Optional[Ten
 
 
 def norm_scale_shift_fp8(x, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
-                         fp8_dtype=None, static_scale=None, y=None, y_scale=None):
+                         fp8_dtype=None, static_scale=None, modulation_index=None, y=None, y_scale=None):
     """norm_scale_shift's y as FP8 rows and their float32 scales [..., 1] (_quantize_rows),
     from the float32 values before any rounding. Returns (y, y_scale)."""
+    scale, shift = _tables(modulation_index, x, scale, shift)
     compute = _compute_dtype(x)
     n = _normalize(x.to(compute), weight, bias, norm, eps)
     return _quantize_rows(_modulate(n, scale, shift, x), fp8_dtype, static_scale, y, y_scale)
 
 
 def residual_norm_scale_shift_fp8(x, residual, gate, scale, shift, weight=None, bias=None, norm="layer", eps=1e-6,
-                                  fp8_dtype=None, static_scale=None, y=None, y_scale=None,
+                                  fp8_dtype=None, static_scale=None, modulation_index=None, y=None, y_scale=None,
                                   residual_out=None):
     """residual_norm_scale_shift with y as FP8 rows and their scales. Returns (y, y_scale, residual_out)."""
+    gate, scale, shift = _tables(modulation_index, x, gate, scale, shift)
     compute = _compute_dtype(x)
     summed = _store(_gated_sum(residual, gate, x.to(compute), compute), residual_out, x)
     n = _normalize(summed.to(compute), weight, bias, norm, eps)

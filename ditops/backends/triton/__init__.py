@@ -38,6 +38,24 @@ def _invariant(*modulations: tuple) -> bool:
     return all(group_stride == 0 for _, _, group_stride, _, _ in modulations)
 
 
+def _token_strides(t: torch.Tensor) -> tuple:
+    """(batch stride, token stride) of an integer tensor per token, [B, S], or [S] for every batch item."""
+    return (0, t.stride(0)) if t.dim() == 1 else tuple(t.stride())
+
+
+def _modulation_views(modulations: tuple, index: Optional[torch.Tensor], tokens: int) -> list:
+    """views.modulation of each tensor; with a modulation_index, a 2-D or 3-D tensor is a table
+    (docs/ops.md), addressed as [1, K, D] or [B, K, D] with the index value as the token. The
+    view keeps the table itself, which a bound launch finds among the call's tensors."""
+    views = []
+    for t in modulations:
+        if index is not None and t is not None and t.dim() > 1:
+            views.append((t, *modulation(t if t.dim() == 3 else t.unsqueeze(0), tokens)[1:]))
+        else:
+            views.append(modulation(t, tokens))
+    return views
+
+
 def _fp8_max(y_scale, y) -> float:
     """The FP8 output's largest finite value; 0.0 where the output is not FP8 (no y_scale)."""
     return float(torch.finfo(y.dtype).max) if y_scale is not None else 0.0
@@ -48,45 +66,56 @@ def _table(kernel: str, y_scale) -> str:
     return kernel + "_fp8" if y_scale is not None else kernel
 
 
-def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale=None,
-                    static_scale=None):
+def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, modulation_index, y, residual_out,
+                    y_scale=None, static_scale=None):
     shape = rows_of(x)
     residual_rows = rows_of(residual) if residual is not None else shape
     table = _table("modulated_norm" if residual is None else "residual_norm", y_scale)
     launch = row_launch(table, shape.batch * shape.tokens, shape.hidden, settings_of(x))
-    modulations = [modulation(t, shape.tokens) for t in (gate, scale, shift)]
-    grid = row_grid(launch, x, shape.batch, shape.tokens, _invariant(*modulations))
+    modulations = _modulation_views((gate, scale, shift), modulation_index, shape.tokens)
+    invariant = _invariant(*modulations)
+    grid = row_grid(launch, x, shape.batch, shape.tokens, invariant)
+    # the index is read only where a table's rows differ (K > 1, not expanded): otherwise every
+    # token reads the same row, which a row loop loads once (HOIST) as it does a per-batch vector
+    tables = modulation_index is not None and not invariant
+    index = modulation_index if tables else None
+    index_strides = _token_strides(index) if tables else (0, 0)
+    table_rows = next(t.shape[-2] for t in (gate, scale, shift) if t is not None and t.dim() > 1) if tables else 1
     return KernelLaunch(modulated_norm_kernel, grid.grid, (
         x, shape.batch_stride, shape.token_stride,
         residual, residual_rows.batch_stride, residual_rows.token_stride,
         *modulations[0], *modulations[1], *modulations[2],
+        index, *index_strides, table_rows,
         weight, bias, y, residual_out, y_scale, static_scale,
         shape.tokens, shape.hidden, eps,
     ), dict(
         QUANT=y_scale is not None, HAS_STATIC_SCALE=static_scale is not None, FP8_MAX=_fp8_max(y_scale, y),
         RMS=norm == "rms", HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, TABLE=tables,
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
         EARLY_LOADS=launch.early_loads, HOIST=grid.hoist, STAGES=grid.stages, num_warps=launch.num_warps,
     ))
 
 
-def norm_scale_shift_launch(x, scale, shift, weight, bias, norm, eps, y):
-    return _modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None)
+def norm_scale_shift_launch(x, scale, shift, weight, bias, norm, eps, modulation_index, y):
+    return _modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, modulation_index, y, None)
 
 
-def residual_norm_scale_shift_launch(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out):
-    return _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out)
+def residual_norm_scale_shift_launch(x, residual, gate, scale, shift, weight, bias, norm, eps, modulation_index, y,
+                                     residual_out):
+    return _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, modulation_index, y, residual_out)
 
 
-def norm_scale_shift_fp8_launch(x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, y, y_scale):
-    return _modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None, y_scale, static_scale)
+def norm_scale_shift_fp8_launch(x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale, modulation_index, y,
+                                y_scale):
+    return _modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, modulation_index, y, None, y_scale,
+                           static_scale)
 
 
 def residual_norm_scale_shift_fp8_launch(x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype,
-                                         static_scale, y, y_scale, residual_out):
-    return _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale,
-                           static_scale)
+                                         static_scale, modulation_index, y, y_scale, residual_out):
+    return _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, modulation_index, y, residual_out,
+                           y_scale, static_scale)
 
 
 def quantize_fp8_launch(x, activation, prefix, fp8_dtype, static_scale, y, y_scale):
@@ -207,9 +236,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
     launch = rotary_launch(head_size, rotary_dim, q.shape[-2], k.shape[-2] if k is not None else 0, q.element_size(),
                            batch * tokens, settings_of(q), token_norm)
-    positions_batch_stride, positions_token_stride = (0, 0)
-    if positions is not None:
-        positions_batch_stride, positions_token_stride = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
+    positions_batch_stride, positions_token_stride = _token_strides(positions) if positions is not None else (0, 0)
     return KernelLaunch(rotary_kernel, (batch * tokens, 2 if launch.split else 1), (
         q, q_batch_stride, q_token_stride, q.shape[-2],
         k, k_batch_stride, k_token_stride, k.shape[-2] if k is not None else 0,

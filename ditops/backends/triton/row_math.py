@@ -77,7 +77,9 @@ def load_modulation(pointer, batch, token, batch_stride, group_stride, group_siz
 
     Every form of docs/ops.md is one addressing rule: a scalar has all strides 0, a [D] vector only
     DIM_STRIDE, a per-batch vector a batch_stride, a per-token one a group_stride with
-    group_size 1, and a per-frame one a group_stride with group_size = S // F tokens.
+    group_size 1, and a per-frame one a group_stride with group_size = S // F tokens. A table
+    read through a modulation_index is a group_stride with group_size 1, and ``token`` is then
+    the row's index value (modulated_norm.py).
     DIM_STRIDE is a constexpr so that a value shared by all columns (a scalar: 0) is one load
     per row, broadcast: read per column, it cost a scalar-modulated RMSNorm at D = 1536 a
     third of its bandwidth on an H200 (52% of copy against 86% with vectors)."""

@@ -5,8 +5,9 @@ One packed sequence of text, video and audio rows; each row takes the AdaLN modu
 
 - In ``transformer_blocks``: the RMSNorm ``norm1`` and its modulation -> ``norm_scale_shift``;
   "residual + gate * attention, then ``norm2`` and its modulation" ->
-  ``residual_norm_scale_shift``. Each row's modulation is selected as diffusers selects it
-  (``index_select`` of the table) into [B, S, D] views the ops take per token.
+  ``residual_norm_scale_shift``. The ops read the block's [K, D] modulation tables through
+  ``adaln_indices`` (their ``modulation_index``), with no copy of the selected rows (diffusers'
+  ``index_select``); the FFN's gate, applied outside the ops, is selected as diffusers selects it.
 - Their attention's per-head q/k RMSNorm and the NeoX RoPE on the leading channels of each
   head -> ``qk_norm_rope_(interleaved=False, rotary_dim=R)``, on the (cos, sin) the model's
   ``rope`` hands the block, cast to the activations' dtype as diffusers casts them. Under
@@ -33,27 +34,25 @@ def _block_forward_of(fp8: bool):
         """diffusers' MiniMaxH3TransformerBlock with its two norms and their modulation as ops."""
         if patching.hooked(self, ("norm1", "norm2")):
             return type(self).forward(self, hidden_states, temb, adaln_indices, rotary_emb, attention_mask)
-        batch, tokens, width = hidden_states.shape
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-            table.index_select(0, adaln_indices).unsqueeze(0).expand(batch, tokens, width)
-            for table in self.adaln_proj(temb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(temb)  # [K, D] tables
         if fp8:
             norm_hidden_states = Float8Rows(*ops.norm_scale_shift_fp8(
-                hidden_states, scale_msa, shift_msa, weight=self.norm1.weight, norm="rms", eps=self.norm1.eps))
+                hidden_states, scale_msa, shift_msa, weight=self.norm1.weight, norm="rms", eps=self.norm1.eps,
+                modulation_index=adaln_indices))
         else:
             norm_hidden_states = ops.norm_scale_shift(hidden_states, scale_msa, shift_msa, weight=self.norm1.weight,
-                                                      norm="rms", eps=self.norm1.eps)
+                                                      norm="rms", eps=self.norm1.eps, modulation_index=adaln_indices)
         attention = self.attn(norm_hidden_states, rotary_emb, attention_mask)
         if fp8:
             y, y_scale, hidden_states = ops.residual_norm_scale_shift_fp8(
                 attention, hidden_states, gate_msa, scale_mlp, shift_mlp, weight=self.norm2.weight, norm="rms",
-                eps=self.norm2.eps)
+                eps=self.norm2.eps, modulation_index=adaln_indices)
             norm_hidden_states = Float8Rows(y, y_scale)
         else:
             norm_hidden_states, hidden_states = ops.residual_norm_scale_shift(
                 attention, hidden_states, gate_msa, scale_mlp, shift_mlp, weight=self.norm2.weight, norm="rms",
-                eps=self.norm2.eps)
-        return hidden_states + gate_mlp * self.ff(norm_hidden_states)
+                eps=self.norm2.eps, modulation_index=adaln_indices)
+        return hidden_states + gate_mlp.index_select(0, adaln_indices) * self.ff(norm_hidden_states)
 
     return forward
 

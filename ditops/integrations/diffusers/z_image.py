@@ -3,8 +3,10 @@
 - In modulated blocks, the first RMSNorm and its scale -> ``norm_scale_shift``; "x +
   tanh(gate) * RMSNorm(attention), then the FFN's RMSNorm and its scale" ->
   ``add_gate_norm_scale``; the FFN's gated add -> ``add_gate_norm``. With per-token modulation
-  (``noise_mask``: Z-Image Omni's noisy and clean tokens) the same ops take each token's
-  selected modulation as [B, S, D] tensors, selected as diffusers selects them.
+  (``noise_mask``: Z-Image Omni's noisy and clean tokens) ``norm_scale_shift`` reads its scale
+  from a [B, 2, D] table (the clean and the noisy set) through ``noise_mask`` as its
+  ``modulation_index``; the other ops, which take no index, take each token's modulation
+  selected into [B, S, D] tensors as diffusers selects it.
 - Every attention's q/k RMSNorm + RoPE -> ``qk_norm_rope_`` on the per-image frequencies the
   model hands the block. diffusers 0.42 has no context-parallel plan for Z-Image.
 
@@ -23,12 +25,14 @@ from ...fp8 import Float8Rows
 from . import patching, quantize
 
 
-def _first_norm(x, scale, weight, eps):
-    return ops.norm_scale_shift(x, scale, x.new_zeros(()), weight=weight, norm="rms", eps=eps)
+def _first_norm(x, scale, weight, eps, modulation_index=None):
+    return ops.norm_scale_shift(x, scale, x.new_zeros(()), weight=weight, norm="rms", eps=eps,
+                                modulation_index=modulation_index)
 
 
-def _first_norm_fp8(x, scale, weight, eps):
-    return Float8Rows(*ops.norm_scale_shift_fp8(x, scale, x.new_zeros(()), weight=weight, norm="rms", eps=eps))
+def _first_norm_fp8(x, scale, weight, eps, modulation_index=None):
+    return Float8Rows(*ops.norm_scale_shift_fp8(x, scale, x.new_zeros(()), weight=weight, norm="rms", eps=eps,
+                                                modulation_index=modulation_index))
 
 
 def _gated_norm(x, attention, gate, scale, weight, weight2, eps):
@@ -48,8 +52,9 @@ def _block_forward_of(first_norm, gated_norm):
         """diffusers' ZImageTransformerBlock: the first RMSNorm and its scale as norm_scale_shift,
         "x + tanh(gate) * norm(attention), then the FFN's RMSNorm and its scale" as
         add_gate_norm_scale, and the FFN's gated add as add_gate_norm. With ``noise_mask`` each
-        token's modulation is the noisy or the clean one, selected as diffusers selects it, into
-        [B, S, D] tensors the ops take per token. Blocks without modulation run as diffusers wrote them."""
+        token's modulation is the noisy or the clean one: norm_scale_shift reads its scale from
+        the two through noise_mask, the other ops take it selected as diffusers selects it, into
+        [B, S, D] tensors. Blocks without modulation run as diffusers wrote them."""
         if not self.modulation or patching.hooked(self, ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2")):
             return type(self).forward(self, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
         if noise_mask is None:
@@ -59,10 +64,14 @@ def _block_forward_of(first_norm, gated_norm):
 
             # the raw values, selected before the ops take 1 + scale and tanh(gate) per value
             noisy, clean = (self.adaLN_modulation(embedding).chunk(4, dim=1) for embedding in (adaln_noisy, adaln_clean))
-            scale_msa, gate_msa, scale_mlp, gate_mlp = (select_per_token(value_noisy, value_clean, noise_mask, x.shape[1])
-                                                        for value_noisy, value_clean in zip(noisy, clean))
+            # a [B, 2, D] table read through noise_mask: row 0 the clean set, row 1 the noisy one,
+            # which select_per_token picks where noise_mask == 1 (diffusers' masks hold 0 and 1);
+            # the stack writes 2 rows per batch item where select_per_token would write S
+            scale_msa = torch.stack((clean[0], noisy[0]), dim=1)
+            gate_msa, scale_mlp, gate_mlp = (select_per_token(value_noisy, value_clean, noise_mask, x.shape[1])
+                                             for value_noisy, value_clean in zip(noisy[1:], clean[1:]))
         eps = self.attention_norm1.eps
-        attention_input = first_norm(x, scale_msa, self.attention_norm1.weight, eps)
+        attention_input = first_norm(x, scale_msa, self.attention_norm1.weight, eps, noise_mask)
         attention = self.attention(attention_input, attention_mask=attn_mask, freqs_cis=freqs_cis)
         x, feed_forward_input = gated_norm(x, attention, gate_msa, scale_mlp, self.attention_norm2.weight,
                                            self.ffn_norm1.weight, eps)
