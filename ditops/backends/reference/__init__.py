@@ -50,7 +50,7 @@ def _broadcastable(t: Optional[Tensor], x: Tensor, dtype: torch.dtype) -> Option
     return t if x.dim() == 3 else t.reshape(-1, hidden)
 
 
-def _tables(index: Optional[Tensor], x: Tensor, *modulation: Optional[Tensor]) -> tuple:
+def _tables(index: Optional[Tensor], *modulation: Optional[Tensor]) -> tuple:
     """The modulation tensors of a call, each table (with a modulation_index, a 2-D [K, D] or
     3-D [B, K, D] tensor: docs/ops.md) read at its rows' index values clamped into [0, K), as a
     per-token [B, S, D] or [1, S, D] tensor; the other forms as given. The clamp keeps every
@@ -106,7 +106,7 @@ def norm_scale_shift(x, scale, shift, weight=None, bias=None, norm="layer", eps=
     x: [B, S, D] or [N, D]; scale, shift: any modulation form, tables with modulation_index
     ([B, S] or [S]); weight, bias: [D] or None. Returns y with x's shape and dtype.
     """
-    scale, shift = _tables(modulation_index, x, scale, shift)
+    scale, shift = _tables(modulation_index, scale, shift)
     compute = _compute_dtype(x)
     n = _normalize(x.to(compute), weight, bias, norm, eps)
     return _store(_modulate(n, scale, shift, x), y, x)
@@ -122,7 +122,7 @@ def residual_norm_scale_shift(
     x, residual: [B, S, D] or [N, D]; gate (None = 1), scale, shift: any modulation form,
     tables with modulation_index. Returns (y, residual_out).
     """
-    gate, scale, shift = _tables(modulation_index, x, gate, scale, shift)
+    gate, scale, shift = _tables(modulation_index, gate, scale, shift)
     compute = _compute_dtype(x)
     summed = _store(_gated_sum(residual, gate, x.to(compute), compute), residual_out, x)
     n = _normalize(summed.to(compute), weight, bias, norm, eps)
@@ -167,7 +167,7 @@ def norm_scale_shift_fp8(x, scale, shift, weight=None, bias=None, norm="layer", 
                          fp8_dtype=None, static_scale=None, modulation_index=None, y=None, y_scale=None):
     """norm_scale_shift's y as FP8 rows and their float32 scales [..., 1] (_quantize_rows),
     from the float32 values before any rounding. Returns (y, y_scale)."""
-    scale, shift = _tables(modulation_index, x, scale, shift)
+    scale, shift = _tables(modulation_index, scale, shift)
     compute = _compute_dtype(x)
     n = _normalize(x.to(compute), weight, bias, norm, eps)
     return _quantize_rows(_modulate(n, scale, shift, x), fp8_dtype, static_scale, y, y_scale)
@@ -177,7 +177,7 @@ def residual_norm_scale_shift_fp8(x, residual, gate, scale, shift, weight=None, 
                                   fp8_dtype=None, static_scale=None, modulation_index=None, y=None, y_scale=None,
                                   residual_out=None):
     """residual_norm_scale_shift with y as FP8 rows and their scales. Returns (y, y_scale, residual_out)."""
-    gate, scale, shift = _tables(modulation_index, x, gate, scale, shift)
+    gate, scale, shift = _tables(modulation_index, gate, scale, shift)
     compute = _compute_dtype(x)
     summed = _store(_gated_sum(residual, gate, x.to(compute), compute), residual_out, x)
     n = _normalize(summed.to(compute), weight, bias, norm, eps)
