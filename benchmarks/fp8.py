@@ -15,7 +15,9 @@ a built model lacks counted as its first block's). A time is the median of ``--r
 rounds, the three ways taking turns going first; a round is the median of 5 CUDA-event
 timings after warm-up.
 
-Writes benchmarks/results/fp8_<GPU>_<date>.json: {"device", "rows": [...]}.
+Writes benchmarks/results/fp8_<GPU>_<date>.json: {"device", "static_launch_user_kernels", "rows": [...]};
+``static_launch_user_kernels``: whether Inductor launched ditops' Triton kernels with its static
+launcher (TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1; docs/diffusers.md).
 Usage: python benchmarks/fp8.py [--output FILE] [--models flux ...] [--modes ...] [--ways ...]
        python benchmarks/fp8.py --combine A.json B.json --output FILE   # rows of runs that timed some ways each
        python benchmarks/fp8.py --table FILE   # the README's table of a results file
@@ -217,6 +219,7 @@ def main() -> None:
     import torchao
 
     document = dict(device=device, torch=torch.__version__, torchao=torchao.__version__, date=str(datetime.date.today()),
+                    static_launch_user_kernels=torch._inductor.config.static_launch_user_defined_triton_kernels,
                     rows=[])
     for name in options.models:
         for resolution in models.RESOLUTIONS[name]:

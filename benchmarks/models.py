@@ -30,7 +30,8 @@ estimate from kernel names, see ``replaced_kernel``), so the ceiling of a compil
 alternating which way goes first; a round is the median of 5 CUDA-event timings after
 warm-up.
 
-Writes benchmarks/results/models_<GPU>_<date>.json: {"device", "rows": [...]}.
+Writes benchmarks/results/models_<GPU>_<date>.json: {"device", "static_launch_user_kernels", "rows": [...]}
+(``static_launch_user_kernels``: as in fp8.py).
 Usage: python benchmarks/models.py [--output FILE] [--models flux wan qwen-image z-image flux2
        hunyuan-video-1.5 ltx-2 sd3.5] [--modes ...]
        python benchmarks/models.py --table FILE   # the README's table of a results file
@@ -442,7 +443,8 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     short = device.split()[1] if len(device.split()) > 1 else device
     output = Path(options.output or Path(__file__).parent / "results" / f"models_{short}_{datetime.date.today()}.json")
-    document = dict(device=device, torch=torch.__version__, dtype=str(DTYPE), date=str(datetime.date.today()), rows=[])
+    document = dict(device=device, torch=torch.__version__, dtype=str(DTYPE), date=str(datetime.date.today()),
+                    static_launch_user_kernels=torch._inductor.config.static_launch_user_defined_triton_kernels, rows=[])
     for name in options.models:
         for resolution in RESOLUTIONS[name]:
             for row in measure(name, resolution, options.modes, options.blocks, options.profile, options.rounds):
