@@ -140,6 +140,8 @@ class HeadSpec:
     weight_dtypes: tuple = (torch.float32, None)  # qk_norm_rope_'s q_weight and k_weight; None: the activations' dtype
     spare_cache_rows: int = 5  # cache rows past the last position a call reads (a cache sized for longer sequences)
     norm_over: str = "head"  # qk_norm_rope_'s RMSNorm: per head, or over all heads of a token ("token", weights [H * Dh])
+    norm: str = "rms"  # qk_norm_rope_'s norm: "rms", or "layer" (with biases beside the weights when affine)
+    affine: bool = True  # qk_norm_rope_'s weights (and LayerNorm biases); False: None
 
 
 def modulation_index(spec: RowSpec, device, generator) -> Optional[torch.Tensor]:

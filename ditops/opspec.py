@@ -352,12 +352,12 @@ def _check_add_gate_norm_scale_fp8(
                                          describe_call, lambda: _fp8_arguments(op, x, fp8_dtype, static_scale))
 
 
-NORM_OVER = ("head", "token")  # qk_norm_rope_'s RMSNorm: over each head's Dh, or over a token's H * Dh
+NORM_OVER = ("head", "token")  # qk_norm_rope_'s norm: over each head's Dh, or over a token's H * Dh
 
 
 def _check_qk_norm_rope(
-    q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset, norm_over,
-    describe_call=True
+    q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset, norm_over, norm,
+    q_bias, k_bias, describe_call=True
 ) -> Optional[Features]:
     op = "qk_norm_rope_"
     if k is None:
@@ -371,14 +371,20 @@ def _check_qk_norm_rope(
     q_width, k_width = (heads.head_size * t.shape[-2] if per_token else heads.head_size for t in (q, k))
     validation.affine(op, "q_weight", q_weight, q_width, device)
     validation.affine(op, "k_weight", k_weight, k_width, device)
+    validation.choice(op, "norm", norm, validation.NORMS)
+    for name, bias, width in (("q_bias", q_bias, q_width), ("k_bias", k_bias, k_width)):
+        if norm == "rms" and bias is not None:
+            validation.fail(op, name, "is a tensor with norm='rms'", "None (RMSNorm has no bias)")
+        validation.affine(op, name, bias, width, device)
     validation.eps(op, eps)
     if describe_call and q.numel():
         return describe(
             (q, k),
-            (q_weight, k_weight, cos_sin_cache),
+            (q_weight, k_weight, cos_sin_cache, q_bias, k_bias),
             hidden_size=max(q_width, k_width) if per_token else 0,
             head_size=heads.head_size,
             rotary_dim=heads.rotary_dim,
+            norm=norm,
             interleaved=interleaved,
         )
 
@@ -564,8 +570,14 @@ def _qk_norm_rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
     q_weight_dtype, k_weight_dtype = (weight_dtype or dtype for weight_dtype in spec.weight_dtypes)
     q_width, k_width = ((heads * spec.head_size if spec.norm_over == "token" else spec.head_size)
                         for heads in (spec.q_heads, spec.k_heads))
-    return dict(arguments, q_weight=random(generator, device, q_weight_dtype, q_width),
-                k_weight=random(generator, device, k_weight_dtype, k_width), norm_over=spec.norm_over)
+    affine = dict(q_weight=None, k_weight=None, q_bias=None, k_bias=None)
+    if spec.affine:
+        affine.update(q_weight=random(generator, device, q_weight_dtype, q_width),
+                      k_weight=random(generator, device, k_weight_dtype, k_width))
+        if spec.norm == "layer":
+            affine.update(q_bias=random(generator, device, q_weight_dtype, q_width),
+                          k_bias=random(generator, device, k_weight_dtype, k_width))
+    return dict(arguments, **affine, norm_over=spec.norm_over, norm=spec.norm)
 
 
 def _typical_rows(norm: str) -> Callable:
@@ -654,12 +666,14 @@ def _rows(batch, tokens, hidden, *, modulation_dtype=None, norm="layer", affine=
                    index="halves", select_form="batch_view")
 
 
-def _heads(tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=False, norm_over="head") -> HeadSpec:
+def _heads(tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=False, norm_over="head",
+           norm="rms") -> HeadSpec:
     """A RoPE-op benchmark call, q/k [T, H, Dh]: a per-token float32 cache and no positions
     (multi-axis RoPE), or int64 positions into the cache; the q/k norm weights in the
     activations' dtype, as the models hold them."""
     return HeadSpec((tokens,), q_heads, k_heads, head_size, interleaved=interleaved,
-                    positions=torch.int64 if positions else None, weight_dtypes=(None, None), norm_over=norm_over)
+                    positions=torch.int64 if positions else None, weight_dtypes=(None, None), norm_over=norm_over,
+                    norm=norm)
 
 
 _WAN = dict(modulation_dtype=torch.float32, per_batch_3d=True)
@@ -696,6 +710,8 @@ _QK_NORM_ROPE_BENCH = (
                quick=True),
     BenchShape("Wan2.1-14B 720p (token norm)", "T75600 H40 Dh128", _heads(75600, 40, 40, 128, norm_over="token")),
     BenchShape("LTX-2 768x512 121 frames (token norm)", "T6144 H32 Dh128", _heads(6144, 32, 32, 128, norm_over="token")),
+    # LayerNorm per head with weight and bias (norm="layer"): CogVideoX-5B's image tokens at 720x480, 49 frames
+    BenchShape("CogVideoX-5B 720x480 49 frames (layer norm)", "T17550 H48 Dh64", _heads(17550, 48, 48, 64, norm="layer")),
 )
 _LLM = 16384
 _ROPE_BENCH = (
@@ -803,6 +819,21 @@ TOKEN_NORM_SPECS = {
     "token-norm-bf16-weights": HeadSpec((5,), 3, 3, 128, weight_dtypes=(torch.bfloat16, torch.bfloat16),
                                         norm_over="token"),
     "token-norm-empty": HeadSpec((0,), 4, 4, 128, norm_over="token"),
+    "token-norm-layer": HeadSpec((2, 3), 6, 2, 64, interleaved=False, norm_over="token", norm="layer"),
+}
+
+# qk_norm_rope_(norm="layer"): CogVideoX's per-head LayerNorms with weight and bias
+# (interleaved RoPE), CogView4's without affine (NeoX), partial rotary at Dh 80, GQA, views.
+LAYER_NORM_SPECS = {
+    "layer-cogvideox": HeadSpec((1, 12), 6, 6, 64, norm="layer"),
+    "layer-no-affine-neox": HeadSpec((10,), 4, 4, 128, interleaved=False, norm="layer", affine=False),
+    "layer-dh80-partial": HeadSpec((7,), 3, 3, 80, rotary_dim=32, positions=torch.int32, norm="layer"),
+    "layer-gqa-bf16-weights": HeadSpec((2, 5), 8, 2, 128, interleaved=False, weight_dtypes=(torch.bfloat16, torch.bfloat16),
+                                       norm="layer"),
+    "layer-qkv-views": HeadSpec((2, 4), 4, 4, 64, layout="qkv", norm="layer"),
+    "layer-empty": HeadSpec((0,), 2, 2, 64, norm="layer"),
+    "layer-token-no-affine": HeadSpec((5,), 4, 4, 64, norm_over="token", norm="layer", affine=False),
+    "token-norm-rms-no-weight": HeadSpec((4,), 3, 3, 128, norm_over="token", affine=False),
 }
 
 # FP8 outputs: the bf16 ops' row cases that vary what the quantisation sees (widths, forms,
@@ -973,14 +1004,16 @@ def add_gate_norm_scale(x: T, branch: T, gate: T, scale: T, *, weight: OT = None
 
 def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, positions: OT = None, *,
                   interleaved: bool = True, rotary_dim: Optional[int] = None, eps: float = 1e-6,
-                  position_offset: int = 0, norm_over: str = "head") -> tuple:
-    """In place: RMSNorm per head over Dh (or per token over its heads), then RoPE on the first R dims.
+                  position_offset: int = 0, norm_over: str = "head", norm: str = "rms", q_bias: OT = None,
+                  k_bias: OT = None) -> tuple:
+    """In place: RMSNorm (or LayerNorm) per head over Dh (or per token over its heads), then RoPE on the first R dims.
 
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: the same leading dims with Hk heads; q_weight,
     k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns); positions:
     q's leading shape, or None for ``position_offset + token index``. ``norm_over="token"``:
     one RMSNorm over all heads of a token (Wan, LTX-2), q_weight [Hq * Dh], k_weight
-    [Hk * Dh]; the RoPE is per head either way. Returns (q, k); under
+    [Hk * Dh]; the RoPE is per head either way. ``norm="layer"``: LayerNorm (CogVideoX's q/k
+    norms), with optional q_bias and k_bias shaped as the weights; weights and biases may be None. Returns (q, k); under
     torch.compile on a GPU, the graph's new tensors of their values: where q and k are slices
     of a wider projection, reading those spares the graph a copy of the projection.
 
@@ -991,6 +1024,7 @@ def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, posi
     >>> q_out is q  # written in place
     True
     >>> _ = ditops.qk_norm_rope_(q, k, torch.ones(4 * 128), torch.ones(4 * 128), cache, norm_over="token")  # Wan's norms
+    >>> _ = ditops.qk_norm_rope_(q, k, None, None, cache, norm="layer")  # LayerNorm without affine (CogView4's)
     """
 
 
@@ -1187,7 +1221,7 @@ SPECS = {
                **_FP8_GATE_NORMS),
         OpSpec(qk_norm_rope_, _check_qk_norm_rope, reference.qk_norm_rope_, _qk_norm_rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
                check_values=_in_place_checks("qk_norm_rope_", ("q_weight", "k_weight", "cos_sin_cache", "positions")),
-               conformance={**HEAD_SPECS, **TOKEN_NORM_SPECS}, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128),
+               conformance={**HEAD_SPECS, **TOKEN_NORM_SPECS, **LAYER_NORM_SPECS}, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128),
                typical=_typical_heads),
         OpSpec(rope_, _check_rope, reference.rope_, _rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
                check_values=_in_place_checks("rope_", ("cos_sin_cache", "positions")),

@@ -529,6 +529,19 @@ def test_modulation_tables_go_to_triton_with_the_compiled_backends_reason(op, ar
     assert "modulation forms" not in (refusals_of(vectors)[compiled] or "")
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_qk_layer_norm_goes_to_triton_with_the_compiled_backends_reason(arch, rocm_6):
+    """The cuda and rocm rotary kernels are RMSNorm only (registry.yaml: norms)."""
+    compiled = "cuda" if arch.startswith("sm_") else "rocm"
+    with described(arch):
+        arguments = example_arguments("qk_norm_rope_", (8, 4, 64), torch.bfloat16, param_dtype=torch.float32)
+        layer = ditops.explain("qk_norm_rope_", **arguments, norm="layer", q_bias=torch.randn(64), k_bias=torch.randn(64))
+        rms = ditops.explain("qk_norm_rope_", **arguments)
+    assert layer.selected == "triton" and layer.features.norm == "layer"
+    assert "supports norm in ['rms'], got 'layer'" in refusals_of(layer)[compiled]
+    assert "supports norm in" not in (refusals_of(rms)[compiled] or "")
+
+
 # Measured preferences (registry.yaml: preferences): a device class and a size range move
 # one backend first; elsewhere the order of `ops` holds.
 

@@ -164,7 +164,8 @@ def test_every_kernel_and_option_is_exercised():
     assert {kernel for kernel, *_ in found} == set(KERNELS)
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
-                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT", "QUANT", "HAS_STATIC_SCALE", "GELU", "TABLE"):
+                 "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT", "QUANT", "HAS_STATIC_SCALE", "GELU", "TABLE",
+                 "LAYER", "HAS_Q_BIAS", "HAS_K_BIAS"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 

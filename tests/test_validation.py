@@ -346,6 +346,10 @@ ROPE = [
     case("k-None", "qk_norm_rope_", {"k": None}, "k", "is None", "a tensor (only rope_ takes k=None)"),
     case("q_weight-shape", "qk_norm_rope_", {"q_weight": randn(HQ, DH)}, "q_weight", "has shape [4, 16]", "[16]"),
     case("k_weight-shape", "qk_norm_rope_", {"k_weight": randn(DH + 2)}, "k_weight", "has shape [18]", "[16]"),
+    case("norm-bad", "qk_norm_rope_", {"norm": "group"}, "norm", "is 'group'", "one of 'layer', 'rms'"),
+    case("q_bias-with-rms", "qk_norm_rope_", {"q_bias": randn(DH)}, "q_bias", "is a tensor with norm='rms'",
+         "None (RMSNorm has no bias)"),
+    case("k_bias-shape", "qk_norm_rope_", {"norm": "layer", "k_bias": randn(DH + 2)}, "k_bias", "has shape [18]", "[16]"),
 ]
 
 

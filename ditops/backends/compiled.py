@@ -472,7 +472,8 @@ class CompiledOps:
         return CompiledLaunch(instance, (rows, 2, 1), arguments)
 
     def qk_norm_rope__launch(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
-                             position_offset, norm_over):
+                             position_offset, norm_over, norm, q_bias, k_bias):
+        # RMSNorm only (registry.yaml: norms [rms]), so q_bias and k_bias are None
         if norm_over == "token":
             return self._rotary_token_norm(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps,
                                            position_offset)

@@ -107,15 +107,13 @@ def rope_(q, k, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None
 
 
 def qk_norm_rope_(q, k, q_weight, k_weight, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, eps=1e-6,
-                  position_offset=0, norm_over="head"):
+                  position_offset=0, norm_over="head", norm="rms", q_bias=None, k_bias=None):
     cos, sin = _angles(q, cos_sin_cache, positions, position_offset)
-    if norm_over == "token":  # Wan's WanAttnProcessor: RMSNorm over the projection's H * Dh, then heads
-        q, k = (F.rms_norm(t.flatten(-2), (t.shape[-2] * t.shape[-1],), weight, eps).view(t.shape)
-                for t, weight in ((q, q_weight), (k, k_weight)))
-    else:
-        head = (q.shape[-1],)
-        q = F.rms_norm(q, head, q_weight, eps)
-        k = F.rms_norm(k, head, k_weight, eps)
+
+    def normalized(t, weight, bias):  # Wan's WanAttnProcessor (norm_over="token"): over the projection's H * Dh, then heads
+        return _norm(t.flatten(-2) if norm_over == "token" else t, weight, bias, norm, eps).view(t.shape)
+
+    q, k = normalized(q, q_weight, q_bias), normalized(k, k_weight, k_bias)
     return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
 
 

@@ -363,24 +363,25 @@ def _rotate(v: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 
 def qk_norm_rope_(
     q, k, q_weight, k_weight, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, eps=1e-6, position_offset=0,
-    norm_over="head"
+    norm_over="head", norm="rms", q_bias=None, k_bias=None
 ):
-    """In place: per token and head, RMSNorm over Dh (weights [Dh]), then RoPE on the first R dims.
+    """In place: per token and head, RMSNorm (norm="layer": LayerNorm, with optional biases)
+    over Dh (weights [Dh]), then RoPE on the first R dims.
 
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: same leading dims, Hk heads; cos_sin_cache: [P, R]
     (R/2 cos then R/2 sin columns); positions: q's leading shape, or None for
-    position_offset + token index. norm_over="token": one RMSNorm over each token's H * Dh
-    values (weights [H * Dh]), the RoPE still per head. No rounding between norm and RoPE.
-    Returns (q, k).
+    position_offset + token index. norm_over="token": one norm over each token's H * Dh
+    values (weights and biases [H * Dh]), the RoPE still per head. No rounding between norm
+    and RoPE. Returns (q, k).
     """
     compute = _compute_dtype(q)
     cos, sin = _rope_angles(q, cos_sin_cache, positions, position_offset, compute)
-    for t, weight in ((q, q_weight), (k, k_weight)):  # copies: t is written below and autograd may have saved it
+    for t, weight, bias in ((q, q_weight, q_bias), (k, k_weight, k_bias)):  # copies: t is written below and autograd may have saved it
         v = t.to(compute, copy=True)
         if norm_over == "token":
-            v = _normalize(v.flatten(-2), weight, None, "rms", eps).view(v.shape)
+            v = _normalize(v.flatten(-2), weight, bias, norm, eps).view(v.shape)
         else:
-            v = _normalize(v, weight, None, "rms", eps)
+            v = _normalize(v, weight, bias, norm, eps)
         t.copy_(_rotate(v, cos, sin, interleaved))
     return q, k
 

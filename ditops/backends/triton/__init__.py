@@ -226,7 +226,8 @@ def add_gate_norm_scale_fp8_launch(x, branch, gate, scale, weight, bias, weight2
 
 
 def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm, q_out, k_out,
-            token_norm=False):
+            token_norm=False, q_bias=None, k_bias=None):
+    """norm: None (rope_), "rms" or "layer"."""
     q_out = q if q_out is None else q_out
     k_out = k if k_out is None else k_out
     batch, tokens, q_batch_stride, q_token_stride = tokens_of(q)
@@ -242,12 +243,13 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         k, k_batch_stride, k_token_stride, k.shape[-2] if k is not None else 0,
         q_out, q_out_batch_stride, q_out_token_stride,
         k_out, k_out_batch_stride, k_out_token_stride,
-        q_weight, k_weight,
+        q_weight, k_weight, q_bias, k_bias,
         cos_sin_cache, cos_sin_cache.stride(0),
         positions, positions_batch_stride, positions_token_stride, position_offset,
         tokens, head_size, rotary_dim, eps,
     ), dict(
-        NORM=norm, TOKEN_NORM=token_norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
+        NORM=norm is not None, TOKEN_NORM=token_norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
+        LAYER=norm == "layer", HAS_Q_BIAS=q_bias is not None, HAS_K_BIAS=k_bias is not None,
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
         Q_BLOCK_HEADS=launch.q_block_heads, K_BLOCK_HEADS=launch.k_block_heads,
         HALF_HEAD=launch.half_head, HALF_TAIL=launch.half_tail, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
@@ -259,13 +261,13 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
 # The in-place ops write q and k themselves; given q_out and k_out (a compiled graph's
 # functional node, ditops/ops.py), they write those instead and leave q and k as they were.
 def qk_norm_rope__launch(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps, position_offset,
-                         norm_over, q_out=None, k_out=None):
-    return _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, True, q_out, k_out,
-                   norm_over == "token")
+                         norm_over, norm, q_bias, k_bias, q_out=None, k_out=None):
+    return _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm, q_out, k_out,
+                   norm_over == "token", q_bias, k_bias)
 
 
 def rope__launch(q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset, q_out=None, k_out=None):
-    return _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, False, q_out, k_out)
+    return _rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, None, q_out, k_out)
 
 
 def _kernel(launch_of) -> Kernel:

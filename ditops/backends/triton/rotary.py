@@ -21,7 +21,9 @@ token range store q_out and k_out with evict_first (STORE_EVICTION, a cache hint
 bits); the launch table says where and why.
 With TOKEN_NORM (qk_norm_rope_'s norm_over="token") the RMS runs over all heads of a token:
 the launch puts a tensor's heads in one block, so the loop makes one pass and the sum of the
-block's squares is the token's."""
+block's squares is the token's. LAYER (norm="layer") subtracts the mean first, from the values
+held (the masked lanes stay zero, so the squares count only real values), and adds the biases
+after the weights."""
 
 import triton
 import triton.language as tl
@@ -67,6 +69,29 @@ def _weigh_pairs(x1, x2, weight, weight_mask, first, half, WIDTH: tl.constexpr, 
 
 
 @triton.jit
+def _center_pairs(x1, x2, mean, head_mask, first, half, WIDTH: tl.constexpr):
+    """x1 and x2 less their norm's mean, zero where masked (a LayerNorm's squares then count
+    only real values)."""
+    pair = first + tl.arange(0, WIDTH)[None, :]
+    mask = head_mask & (pair < half)
+    return tl.where(mask, x1 - mean, 0.0), tl.where(mask, x2 - mean, 0.0)
+
+
+@triton.jit
+def _shift_pairs(x1, x2, bias, bias_mask, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """x1 and x2 plus the LayerNorm bias of their dims (one [Dh] row, or a row per head)."""
+    pair = first + tl.arange(0, WIDTH)[None, :]
+    if INTERLEAVED:
+        first_index, second_index = 2 * pair, 2 * pair + 1
+    else:
+        first_index, second_index = pair, half + pair
+    in_pair = bias_mask & (pair < half)
+    x1 = x1 + tl.load(bias + first_index, mask=in_pair, other=0.0).to(tl.float32)
+    x2 = x2 + tl.load(bias + second_index, mask=in_pair, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
 def _store_pairs(out, head_mask, x1, x2, cos, sin, first, half, rotary_dim, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr,
                  EVICTION: tl.constexpr):
     """The pairs rotated by their cos/sin, stored where _load_pairs read them."""
@@ -85,13 +110,14 @@ def _store_pairs(out, head_mask, x1, x2, cos, sin, first, half, rotary_dim, WIDT
 
 @triton.jit
 def _rotate_heads(
-    base, target, head_stride, heads, weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim, eps,
+    base, target, head_stride, heads, weight, bias, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_REST: tl.constexpr,
-    EVICTION: tl.constexpr, TOKEN_NORM: tl.constexpr,
+    EVICTION: tl.constexpr, TOKEN_NORM: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """TOKEN_NORM: one RMS over all the token's heads, which the launch puts in one block (one
-    pass of the loop below), with a weight row per head; else one per head, one [Dh] weight."""
+    """TOKEN_NORM: one norm over all the token's heads, which the launch puts in one block (one
+    pass of the loop below), with a weight (and bias) row per head; else one per head, one [Dh]
+    weight (and bias)."""
     half = rotary_dim // 2
     rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
     for first_head in range(0, heads, BLOCK_HEADS):
@@ -105,16 +131,32 @@ def _rotate_heads(
             b1, b2 = _load_pairs(row, head_mask, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED)
         if NORM:
             tail = tl.load(row + rest, mask=rest_mask, other=0.0).to(tl.float32)
+            if LAYER:
+                sums = tl.sum(a1, axis=1) + tl.sum(a2, axis=1) + tl.sum(tail, axis=1)
+                if HALF_TAIL > 0:
+                    sums += tl.sum(b1, axis=1) + tl.sum(b2, axis=1)
+                if TOKEN_NORM:
+                    mean = tl.sum(sums, axis=0) / (heads * head_size)
+                else:
+                    mean = (sums / head_size)[:, None]
+                a1, a2 = _center_pairs(a1, a2, mean, head_mask, 0, half, HALF_HEAD)
+                if HALF_TAIL > 0:
+                    b1, b2 = _center_pairs(b1, b2, mean, head_mask, HALF_HEAD, half, HALF_TAIL)
+                tail = tl.where(rest_mask, tail - mean, 0.0)
             squares = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
             if HALF_TAIL > 0:
                 squares += tl.sum(b1 * b1, axis=1) + tl.sum(b2 * b2, axis=1)
             squares += tl.sum(tail * tail, axis=1)
+            head_weight, head_bias, weight_mask = weight, bias, True
             if TOKEN_NORM:  # masked heads hold zeros: they add nothing
                 inverse_rms = tl.rsqrt(tl.sum(squares, axis=0) / (heads * head_size) + eps)
-                head_weight, weight_mask = weight + head * head_size, head_mask
+                weight_mask = head_mask
+                if HAS_WEIGHT:  # an absent weight or bias is None: no address to offset
+                    head_weight = weight + head * head_size
+                if HAS_BIAS:
+                    head_bias = bias + head * head_size
             else:
                 inverse_rms = tl.rsqrt(squares / head_size + eps)[:, None]
-                head_weight, weight_mask = weight, True
             a1, a2, tail = a1 * inverse_rms, a2 * inverse_rms, tail * inverse_rms
             if HALF_TAIL > 0:
                 b1, b2 = b1 * inverse_rms, b2 * inverse_rms
@@ -123,6 +165,11 @@ def _rotate_heads(
                 if HALF_TAIL > 0:
                     b1, b2 = _weigh_pairs(b1, b2, head_weight, weight_mask, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
                 tail = tail * tl.load(head_weight + rest, mask=weight_mask & (rest < head_size), other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                a1, a2 = _shift_pairs(a1, a2, head_bias, weight_mask, 0, half, HALF_HEAD, INTERLEAVED)
+                if HALF_TAIL > 0:
+                    b1, b2 = _shift_pairs(b1, b2, head_bias, weight_mask, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
+                tail = tail + tl.load(head_bias + rest, mask=weight_mask & (rest < head_size), other=0.0).to(tl.float32)
             tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask, eviction_policy=EVICTION)
         _store_pairs(out, head_mask, a1, a2, cos_h, sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED, EVICTION)
         if HALF_TAIL > 0:
@@ -135,11 +182,12 @@ def rotary_kernel(
     k, k_batch_stride, k_token_stride, k_heads,
     q_out, q_out_batch_stride, q_out_token_stride,
     k_out, k_out_batch_stride, k_out_token_stride,
-    q_weight, k_weight,
+    q_weight, k_weight, q_bias, k_bias,
     cache, cache_row_stride,
     positions, positions_batch_stride, positions_token_stride, position_offset,
     tokens, head_size, rotary_dim, eps,
     NORM: tl.constexpr, TOKEN_NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
+    LAYER: tl.constexpr, HAS_Q_BIAS: tl.constexpr, HAS_K_BIAS: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr,
     BLOCK_REST: tl.constexpr, SPLIT: tl.constexpr, STORE_EVICTION: tl.constexpr,
@@ -164,18 +212,18 @@ def rotary_kernel(
         k_target = k_out + batch * k_out_batch_stride + token * k_out_token_stride
     if SPLIT:  # (tokens, 2) programs; the launch code splits only calls with k
         if tl.program_id(1) == 0:
-            _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
-                          STORE_EVICTION, TOKEN_NORM)
+            _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, q_bias, cos_h, sin_h, cos_t, sin_t, head_size,
+                          rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL,
+                          BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_Q_BIAS)
         else:
-            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
-                          STORE_EVICTION, TOKEN_NORM)
+            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, k_bias, cos_h, sin_h, cos_t, sin_t, head_size,
+                          rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL,
+                          BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_K_BIAS)
     else:
-        _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                      eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
-                      STORE_EVICTION, TOKEN_NORM)
+        _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, q_bias, cos_h, sin_h, cos_t, sin_t, head_size,
+                      rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
+                      STORE_EVICTION, TOKEN_NORM, LAYER, HAS_Q_BIAS)
         if HAS_K:
-            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim,
-                          eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
-                          STORE_EVICTION, TOKEN_NORM)
+            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, k_bias, cos_h, sin_h, cos_t, sin_t, head_size,
+                          rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL,
+                          BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_K_BIAS)
