@@ -54,18 +54,18 @@ def _cos_sin(cache_row, first, half, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _weigh_pairs(x1, x2, weight, weight_mask, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """x1 and x2 times the norm weight of their dims (weight: one [Dh] row, or a row per head
-    where weight_mask masks the heads past the last)."""
+def _pair_params(params, mask, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A norm weight's or bias's values at the dims of x1 and x2 of the pairs [first, first +
+    WIDTH), in float32 (params: one [Dh] row, or a row per head where mask masks the heads past
+    the last)."""
     pair = first + tl.arange(0, WIDTH)[None, :]
     if INTERLEAVED:
         first_index, second_index = 2 * pair, 2 * pair + 1
     else:
         first_index, second_index = pair, half + pair
-    in_pair = weight_mask & (pair < half)
-    x1 = x1 * tl.load(weight + first_index, mask=in_pair, other=0.0).to(tl.float32)
-    x2 = x2 * tl.load(weight + second_index, mask=in_pair, other=0.0).to(tl.float32)
-    return x1, x2
+    in_pair = mask & (pair < half)
+    return (tl.load(params + first_index, mask=in_pair, other=0.0).to(tl.float32),
+            tl.load(params + second_index, mask=in_pair, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -75,20 +75,6 @@ def _center_pairs(x1, x2, mean, head_mask, first, half, WIDTH: tl.constexpr):
     pair = first + tl.arange(0, WIDTH)[None, :]
     mask = head_mask & (pair < half)
     return tl.where(mask, x1 - mean, 0.0), tl.where(mask, x2 - mean, 0.0)
-
-
-@triton.jit
-def _shift_pairs(x1, x2, bias, bias_mask, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """x1 and x2 plus the LayerNorm bias of their dims (one [Dh] row, or a row per head)."""
-    pair = first + tl.arange(0, WIDTH)[None, :]
-    if INTERLEAVED:
-        first_index, second_index = 2 * pair, 2 * pair + 1
-    else:
-        first_index, second_index = pair, half + pair
-    in_pair = bias_mask & (pair < half)
-    x1 = x1 + tl.load(bias + first_index, mask=in_pair, other=0.0).to(tl.float32)
-    x2 = x2 + tl.load(bias + second_index, mask=in_pair, other=0.0).to(tl.float32)
-    return x1, x2
 
 
 @triton.jit
@@ -161,14 +147,18 @@ def _rotate_heads(
             if HALF_TAIL > 0:
                 b1, b2 = b1 * inverse_rms, b2 * inverse_rms
             if HAS_WEIGHT:
-                a1, a2 = _weigh_pairs(a1, a2, head_weight, weight_mask, 0, half, HALF_HEAD, INTERLEAVED)
+                w1, w2 = _pair_params(head_weight, weight_mask, 0, half, HALF_HEAD, INTERLEAVED)
+                a1, a2 = a1 * w1, a2 * w2
                 if HALF_TAIL > 0:
-                    b1, b2 = _weigh_pairs(b1, b2, head_weight, weight_mask, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
+                    w1, w2 = _pair_params(head_weight, weight_mask, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
+                    b1, b2 = b1 * w1, b2 * w2
                 tail = tail * tl.load(head_weight + rest, mask=weight_mask & (rest < head_size), other=0.0).to(tl.float32)
             if HAS_BIAS:
-                a1, a2 = _shift_pairs(a1, a2, head_bias, weight_mask, 0, half, HALF_HEAD, INTERLEAVED)
+                c1, c2 = _pair_params(head_bias, weight_mask, 0, half, HALF_HEAD, INTERLEAVED)
+                a1, a2 = a1 + c1, a2 + c2
                 if HALF_TAIL > 0:
-                    b1, b2 = _shift_pairs(b1, b2, head_bias, weight_mask, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
+                    c1, c2 = _pair_params(head_bias, weight_mask, HALF_HEAD, half, HALF_TAIL, INTERLEAVED)
+                    b1, b2 = b1 + c1, b2 + c2
                 tail = tail + tl.load(head_bias + rest, mask=weight_mask & (rest < head_size), other=0.0).to(tl.float32)
             tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask, eviction_policy=EVICTION)
         _store_pairs(out, head_mask, a1, a2, cos_h, sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED, EVICTION)
