@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 from ...fp8 import check_device
-from . import (chroma, cosmos, flux, flux2, flux_clones, hidream, hunyuan_video, kandinsky5, lumina2, ltx2, minimax_h3,
-               qwen_image, sd3, wan, z_image)
+from . import (chroma, cogvideox, cosmos, flux, flux2, flux_clones, hidream, hunyuan_video, kandinsky5, lumina2, ltx2,
+               minimax_h3, qwen_image, sd3, wan, z_image)
 from .report import Report
 
 SUPPORTED_VERSION = "0.42."
@@ -29,7 +29,8 @@ _PATCHERS = {"FluxTransformer2DModel": flux.patch, "WanTransformer3DModel": wan.
              "HunyuanImageTransformer2DModel": hunyuan_video.patch, "Lumina2Transformer2DModel": lumina2.patch,
              "CosmosTransformer3DModel": cosmos.patch, "Kandinsky5Transformer3DModel": kandinsky5.patch,
              "HiDreamImageTransformer2DModel": hidream.patch, "LTX2VideoTransformer3DModel": ltx2.patch,
-             "LTXVideoTransformer3DModel": ltx2.patch, "MiniMaxH3Transformer3DModel": minimax_h3.patch}
+             "LTXVideoTransformer3DModel": ltx2.patch, "MiniMaxH3Transformer3DModel": minimax_h3.patch,
+             "CogVideoXTransformer3DModel": cogvideox.patch, "ConsisIDTransformer3DModel": cogvideox.patch}
 
 
 QUANTIZE = (None, "fp8")
