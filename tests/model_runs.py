@@ -35,3 +35,18 @@ def block_call(model, inputs, block) -> tuple:
     run(model, inputs)
     handle.remove()
     return captured[0]
+
+
+def assert_traces_as_one_graph(block, arguments, ops, keywords=None) -> None:
+    """torch.compile(fullgraph=True) of `block`: one graph with the ditops `ops` as nodes, and
+    the eager output within one op's tolerance."""
+    keywords = keywords or {}
+    with torch.no_grad():
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(block)(*arguments, **keywords)
+        expected = block(*arguments, **keywords)
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(*arguments, **keywords)
+    assert explained.graph_break_count == 0 and len(explained.graphs) == 1
+    for op in ops:
+        assert f"torch.ops.ditops.{op}" in explained.graphs[0].code, f"{op} is not a node of the traced graph"
+    torch.testing.assert_close(compiled, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])

@@ -19,7 +19,7 @@ diffusers = pytest.importorskip("diffusers")
 integration = pytest.importorskip("ditops.integrations.diffusers")
 
 from fp8_checks import FP8_OPS, fed_and_own_input, in_graph_and_matches_eager, state_copy  # noqa: E402
-from model_runs import block_call, recorded_calls, run  # noqa: E402
+from model_runs import assert_traces_as_one_graph, block_call, recorded_calls, run  # noqa: E402
 from tiny_models import in_dtype  # noqa: E402
 
 from ditops.fp8 import Float8Linear  # noqa: E402
@@ -202,16 +202,8 @@ def test_a_patched_block_traces_as_one_graph(name):
     integration.apply(model)
     block = model.transformer_blocks[0]
     arguments, keywords = block_call(model, inputs, block)
-    with torch.no_grad():
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(block)(*arguments, **keywords)
-        expected = block(*arguments, **keywords)
-        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(*arguments, **keywords)
-    assert explained.graph_break_count == 0 and len(explained.graphs) == 1
-    for op in ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"):
-        assert f"torch.ops.ditops.{op}" in explained.graphs[0].code, f"{op} is not a node of the traced graph"
-    for got, want in zip(compiled, expected):
-        torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=TOLERANCE)
+    assert_traces_as_one_graph(block, arguments, ("norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"),
+                               keywords)
 
 
 def test_gradients_through_the_patched_model_are_diffusers():

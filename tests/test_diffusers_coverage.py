@@ -16,7 +16,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 integration = pytest.importorskip("ditops.integrations.diffusers")
 
-from model_runs import block_call, recorded_calls, run  # noqa: E402
+from model_runs import assert_traces_as_one_graph, block_call, recorded_calls, run  # noqa: E402
 from tiny_models import (WAN_SHAPE, built, tiny_bria, tiny_bria_fibo, tiny_chroma, tiny_chronoedit, tiny_helios,  # noqa: E402
                          tiny_cosmos, tiny_flux2, tiny_hidream, tiny_hunyuan_image, tiny_hunyuan_video,
                          tiny_hunyuan_video15, tiny_hunyuan_video_framepack, tiny_kandinsky5, tiny_longcat_image,
@@ -417,21 +417,6 @@ def test_hunyuan_like_blocks_trace_as_one_graph(name):
         ops = ("norm_scale_shift", "qk_norm_rope_") + (("residual_norm_scale_shift",) if block is blocks[0] else ())
         arguments, keywords = block_call(model, inputs, block)
         assert_traces_as_one_graph(block, arguments, ops, keywords)
-
-
-def assert_traces_as_one_graph(block, arguments, ops, keywords=None) -> None:
-    """torch.compile(fullgraph=True) of `block`: one graph with the ditops `ops` as nodes, and
-    the eager output within one op's tolerance."""
-    keywords = keywords or {}
-    with torch.no_grad():
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(block)(*arguments, **keywords)
-        expected = block(*arguments, **keywords)
-        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(*arguments, **keywords)
-    assert explained.graph_break_count == 0 and len(explained.graphs) == 1
-    for op in ops:
-        assert f"torch.ops.ditops.{op}" in explained.graphs[0].code, f"{op} is not a node of the traced graph"
-    torch.testing.assert_close(compiled, expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 
 # ----- Lumina2 ----------------------------------------------------------------------------------
