@@ -1,8 +1,9 @@
 """ditops.integrations.diffusers inside diffusers' deployment features, on CPU with tiny
 random-weight models: the attention processor contract (backend and parallel config), hooks
 registered before and after ``apply``, the Wan block on a sequence shard, layerwise casting,
-group offloading, accelerate's CPU offloads and regional compilation. Context parallelism on
-two processes is in test_diffusers_context_parallel.py."""
+group offloading, accelerate's CPU offloads, regional compilation, and grad mode (no
+torch.no_grad) with q, k and v of one projection. Context parallelism on two processes is in
+test_diffusers_context_parallel.py."""
 
 import warnings
 
@@ -15,6 +16,7 @@ integration = pytest.importorskip("ditops.integrations.diffusers")
 import model_runs  # noqa: E402
 import tiny_models  # noqa: E402
 from diffusers.hooks import HookRegistry, ModelHook  # noqa: E402
+from fp8_checks import TINY  # noqa: E402
 from model_runs import TOLERANCE  # noqa: E402
 from tiny_models import tiny_flux, tiny_qwen, tiny_wan, tiny_z_image  # noqa: E402
 
@@ -336,3 +338,48 @@ def test_qwen_text_mask_under_context_parallelism_runs_diffusers_attention(monke
     monkeypatch.setattr(QwenQKNormRopeProcessor, "_parallel_config", property(lambda self: "a parallel config"))
     assert_close_to(run(model, inputs), expected, blocks)  # the blocks' norms stay ditops'
     assert calls == [True] * len(model.transformer_blocks)
+
+
+# ----- grad mode (no torch.no_grad): q and k of a joint projection ------------------------------
+
+# (family, how its q, k and v come out of one projection): "fp8", apply(quantize="fp8") joins them
+# into one FP8 GEMM; "fused", diffusers' fuse_qkv_projections before apply; None, the family's own
+# (FLUX.2's single blocks). SD3.5 chunks its joint FP8 projection too, before out-of-place q/k norms.
+JOINT_PROJECTIONS = [("flux", "fp8"), ("flux", "fused"), ("flux2", None), ("flux2", "fp8"), ("sd3.5", "fp8"),
+                     ("wan", "fused"), ("helios", "fused"), ("minimax-h3", "fp8"), ("minimax-h3", "fused")]
+
+
+def joint_projection_model(name, joint):
+    model, inputs, _ = TINY[name](torch.bfloat16)
+    if joint == "fused":
+        model.fuse_qkv_projections()
+    integration.apply(model, quantize="fp8" if joint == "fp8" else None)
+    return model, inputs
+
+
+@pytest.mark.parametrize(("name", "joint"), JOINT_PROJECTIONS)
+def test_grad_mode_with_a_joint_projection_gives_the_no_grad_output(name, joint):
+    """In grad mode the in-place ops run their reference math under autograd, which refuses
+    writes into chunks of one projection: they get copies of q and k there (patching.writable).
+    The output is the no_grad one bit for bit: the same math on the same values on CPU, only
+    recorded for autograd."""
+    model, inputs = joint_projection_model(name, joint)
+    expected = run(model, inputs)
+    sample = model(**inputs, return_dict=False)[0]
+    assert sample.requires_grad and torch.equal(sample, expected)
+
+
+def test_compiled_fp8_flux_block_in_grad_mode_matches_eager():
+    """A double block of FP8 FLUX (joint FP8 q/k/v in both streams) under torch.compile(fullgraph=True)
+    in grad mode, within the FP8 compile tolerance of test_fp8.py; under no_grad its graph holds no
+    copy of q and k."""
+    model, inputs = joint_projection_model("flux", "fp8")
+    block = model.transformer_blocks[0]
+    arguments, keywords = model_runs.block_call(model, inputs, block)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert ".clone(" not in torch._dynamo.explain(block)(*arguments, **keywords).graphs[0].code
+    eager = block(*arguments, **keywords)
+    compiled = torch.compile(block, fullgraph=True)(*arguments, **keywords)
+    for got, want in zip(compiled, eager):
+        assert got.requires_grad and (got.float() - want.float()).norm() / want.float().norm() < 0.05

@@ -174,6 +174,7 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         query, key, value, context_query, context_key, context_value = _get_qkv_projections(
             attn, hidden_states, encoder_hidden_states)
+        query, key = patching.writable(query, key)  # with fused projections, chunks of one
         query, key, value = (t.unflatten(-1, (attn.heads, -1)) for t in (query, key, value))
         cache = patching.cos_sin_cache(*image_rotary_emb)
         eps = attn.norm_q.eps
@@ -183,6 +184,7 @@ class FluxQKNormRopeProcessor(patching.DitopsProcessor):
             # Each stream in place on its own projection, then the concatenation: the same work in
             # eager, and under torch.compile the in-place op writes the projections' buffers
             # directly (on slices of the concatenation Inductor copies each slice out and back).
+            context_query, context_key = patching.writable(context_query, context_key)
             context_query, context_key, context_value = (t.unflatten(-1, (attn.heads, -1))
                                                           for t in (context_query, context_key, context_value))
             text = context_query.shape[1]

@@ -113,7 +113,9 @@ class Flux2ParallelQKNormRopeProcessor(patching.DitopsProcessor):
         qkv_width = 3 * attn.inner_dim
         local_qkv = projected.shape[-1] * qkv_width // (qkv_width + attn.mlp_hidden_dim * attn.mlp_mult_factor)
         qkv, mlp_hidden_states = projected.split([local_qkv, projected.shape[-1] - local_qkv], dim=-1)
-        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+        query, key, value = qkv.chunk(3, dim=-1)
+        query, key = patching.writable(query, key)
+        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
         # the returned q and k: under torch.compile the graph then need not rebuild the projection around them
         query, key = ops.qk_norm_rope_(query, key, attn.norm_q.weight, attn.norm_k.weight,
                                        patching.cos_sin_cache(*image_rotary_emb), eps=attn.norm_q.eps)

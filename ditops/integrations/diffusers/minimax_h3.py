@@ -75,6 +75,7 @@ class MiniMaxH3QKNormRopeProcessor(patching.DitopsProcessor):
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key = patching.writable(query, key)
         query, key, value = (t.unflatten(-1, (attn.heads, -1)) for t in (query, key, value))
         cos, sin = rotary_emb
         half = cos.shape[-1] // 2

@@ -242,6 +242,15 @@ def replace_processor(patches: list, report: Report, attention, path: str, suppo
 # ----- helpers the model modules share --------------------------------------------------------
 
 
+def writable(*projections) -> tuple:
+    """q and k for an in-place op (qk_norm_rope_, rope_) where they may be chunks of one
+    projection (quantize="fp8" joins q/k/v, diffusers' fuse_qkv_projections, FLUX.2's
+    to_qkv_mlp_proj): as they are without grad, which is what pipelines run; copies with grad.
+    With grad the op runs its reference math under autograd, which refuses in-place writes into
+    the outputs of split and chunk, and does not say which views those are."""
+    return tuple(x.clone() for x in projections) if torch.is_grad_enabled() else projections
+
+
 def plain_layer_norm(norm) -> bool:
     return isinstance(norm, torch.nn.LayerNorm) and norm.weight is None and norm.bias is None
 

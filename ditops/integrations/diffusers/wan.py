@@ -163,6 +163,7 @@ class WanQKNormRopeProcessor(patching.DitopsProcessor):
                 or patching.hooked(attn, self.bypassed)):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = patching.writable(query, key)  # with fused projections, chunks of one
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         cos, sin = rotary_emb  # [1, S, 1, Dh] each, every pair's value repeated (diffusers reads sin at odd columns)
         cache = torch.cat([cos[0, :, 0, 0::2], sin[0, :, 0, 1::2]], dim=1)
@@ -194,7 +195,9 @@ class HeliosQKNormRopeProcessor(patching.DitopsProcessor):
                 or patching.hooked(attn, self.bypassed)):
             return self.defer(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb,
                               original_context_length)
-        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in _get_qkv_projections(attn, hidden_states, None))
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = patching.writable(query, key)  # with fused projections, chunks of one
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         cos, sin = rotary_emb.chunk(2, dim=-1)
         cache = torch.cat([cos[..., 0::2], sin[..., 1::2]], dim=-1)  # [B, S, Dh]
         if cache.dtype == torch.float64 and query.dtype != torch.float64:
