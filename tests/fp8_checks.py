@@ -7,6 +7,7 @@ from tiny_models import (
     tiny_bria,
     tiny_bria_fibo,
     tiny_chroma,
+    tiny_cogvideox,
     tiny_cosmos,
     tiny_flux,
     tiny_flux2,
@@ -42,7 +43,7 @@ TINY = {
     "sd3.5": in_dtype(lambda: tiny_sd3(sd35=True)), "lumina2": in_dtype(tiny_lumina2), "cosmos": in_dtype(tiny_cosmos),
     "kandinsky5": in_dtype(tiny_kandinsky5), "hidream": in_dtype(tiny_hidream), "ltx-video": in_dtype(tiny_ltx),
     "ltx-2": in_dtype(tiny_ltx2), "helios": in_dtype(lambda: tiny_helios(amplify_history=False)),
-    "minimax-h3": in_dtype(tiny_minimax_h3),
+    "minimax-h3": in_dtype(tiny_minimax_h3), "cogvideox": in_dtype(tiny_cogvideox),
 }
 
 

@@ -20,102 +20,14 @@ integration = pytest.importorskip("ditops.integrations.diffusers")
 
 from fp8_checks import FP8_OPS, fed_and_own_input, in_graph_and_matches_eager, state_copy  # noqa: E402
 from model_runs import assert_traces_as_one_graph, block_call, recorded_calls, run  # noqa: E402
-from tiny_models import in_dtype  # noqa: E402
+from tiny_models import COGVIDEOX_HEAD_DIM, COGVIDEOX_TEXT, in_dtype, tiny_cogvideox, tiny_cogvideox15, tiny_consisid  # noqa: E402
 
 from ditops.fp8 import Float8Linear  # noqa: E402
 from ditops.integrations.diffusers import cogvideox, patching  # noqa: E402
 
 TOLERANCE = 1e-5  # float32, per op (docs/ops.md)
 OPS = {"norm_scale_shift", "residual_norm_scale_shift", cogvideox.QK_NORM_ROPE}
-HEADS, HEAD_DIM, TEXT = 2, 32, 7
-SIZE = dict(in_channels=4, out_channels=4, time_embed_dim=32, text_embed_dim=32, num_layers=2, sample_width=8,
-            sample_height=8, sample_frames=9, patch_size=2, max_text_seq_length=TEXT)
 OUTPUT_NORMS = "norm_final, norm_out: the output LayerNorm and its modulated norm (once per forward); left as it is"
-
-
-def _resize_crop_region_for_grid(source, target_width, target_height):
-    """diffusers' pipeline_cogvideox.get_resize_crop_region_for_grid (that module imports transformers)."""
-    height, width = source
-    if height / width > target_height / target_width:
-        resize_height, resize_width = target_height, int(round(target_height / height * width))
-    else:
-        resize_width, resize_height = target_width, int(round(target_width / width * height))
-    top, left = int(round((target_height - resize_height) / 2.0)), int(round((target_width - resize_width) / 2.0))
-    return (top, left), (top + resize_height, left + resize_width)
-
-
-def rotary_tables(model, frames, height, width):
-    """(cos, sin) as CogVideoXPipeline._prepare_rotary_positional_embeddings builds them from
-    the latents' frames, height and width (1.0: a grid cropped to the sample size; 1.5, with
-    patch_size_t: slices of the sample-size grid)."""
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-
-    config = model.config
-    p, p_t = config.patch_size, config.get("patch_size_t")
-    grid = (height // p, width // p)
-    base_width, base_height = config.sample_width // p, config.sample_height // p
-    if p_t is None:
-        return get_3d_rotary_pos_embed(embed_dim=config.attention_head_dim,
-                                       crops_coords=_resize_crop_region_for_grid(grid, base_width, base_height),
-                                       grid_size=grid, temporal_size=frames)
-    return get_3d_rotary_pos_embed(embed_dim=config.attention_head_dim, crops_coords=None, grid_size=grid,
-                                   temporal_size=(frames + p_t - 1) // p_t, grid_type="slice",
-                                   max_size=(base_height, base_width))
-
-
-def _random_norms(model):
-    """Random LayerNorm weights and biases (diffusers initialises them to 1 and 0), so that a norm
-    applied with another's parameters, or without its bias, shows."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name and parameter.ndim == 1:
-                parameter.uniform_(0.5, 1.5) if name.endswith("weight") else parameter.normal_(0.0, 0.3)
-    return model
-
-
-def _inputs(model, frames=3, height=8, width=8, rope=True, **extra):
-    generator = torch.Generator().manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(2, frames, 4, height, width, generator=generator),
-                  encoder_hidden_states=torch.randn(2, TEXT, 32, generator=generator),
-                  timestep=torch.tensor([10, 500]),
-                  image_rotary_emb=rotary_tables(model, frames, height, width) if rope else None)
-    inputs.update(extra)
-    return inputs
-
-
-def tiny_cogvideox(rope=True, **config):
-    """CogVideoX 1.0 (5B's layout: rotary embeddings, q/k LayerNorms): two blocks, heads of 32."""
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = diffusers.CogVideoXTransformer3DModel(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
-                                                      use_rotary_positional_embeddings=rope, **SIZE, **config).eval()
-    return _random_norms(model), _inputs(model, rope=rope)
-
-
-def tiny_cogvideox15():
-    """CogVideoX 1.5 (I2V's layout): patch_size_t=2, the ofs embedding; 4 latent frames -> 2."""
-    model, _ = tiny_cogvideox(patch_size_t=2, ofs_embed_dim=32)
-    return model, _inputs(model, frames=4, ofs=torch.tensor([2.0, 2.0]))
-
-
-def tiny_consisid(face=False):
-    """ConsisID: CogVideoX's blocks; with face, its face modules (a local facial extractor and
-    a perceiver cross-attention after every other block), 3 heads (kv width 2/3 of 96)."""
-    torch.manual_seed(0)
-    heads = 3 if face else HEADS
-    faces = dict(is_train_face=True, cross_attn_interval=2, cross_attn_dim_head=16, cross_attn_num_heads=2,
-                 LFE_id_dim=32, LFE_vit_dim=32, LFE_depth=2, LFE_dim_head=16, LFE_num_heads=2, LFE_num_id_token=2,
-                 LFE_num_querie=4, LFE_output_dim=2 * heads * HEAD_DIM // 3, LFE_ff_mult=2, LFE_num_scale=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = diffusers.ConsisIDTransformer3DModel(num_attention_heads=heads, attention_head_dim=HEAD_DIM,
-                                                     use_rotary_positional_embeddings=True, **SIZE,
-                                                     **(faces if face else {})).eval()
-    generator = torch.Generator().manual_seed(2)
-    extra = dict(id_cond=torch.randn(2, 32, generator=generator),
-                 id_vit_hidden=[torch.randn(2, 5, 32, generator=generator) for _ in range(2)]) if face else {}
-    return _random_norms(model), _inputs(model, **extra)
 
 
 BUILDERS = {"cogvideox": tiny_cogvideox, "cogvideox-1.5": tiny_cogvideox15, "consisid": tiny_consisid,
@@ -175,7 +87,7 @@ def test_the_patched_model_runs_the_ops(monkeypatch, name):
     video = inputs["image_rotary_emb"][0].shape[0]
     heads = model.config.num_attention_heads
     shape, cache, options = seen[0]
-    assert shape == (2, video, heads, HEAD_DIM) and cache == (video, HEAD_DIM)
+    assert shape == (2, video, heads, COGVIDEOX_HEAD_DIM) and cache == (video, COGVIDEOX_HEAD_DIM)
     attn = model.transformer_blocks[0].attn1
     assert options["norm"] == "layer" and options["interleaved"] is True and options["eps"] == attn.norm_q.eps
     assert options["q_bias"] is attn.norm_q.bias and options["k_bias"] is attn.norm_k.bias
@@ -314,8 +226,8 @@ def test_a_hook_on_a_fused_norm_runs_diffusers_code_there(hooked, monkeypatch):
 def test_a_call_with_an_attention_mask_goes_to_diffusers_processor():
     """diffusers' processor takes a mask through attention_kwargs; ditops' hands such calls to it."""
     model, inputs = tiny_cogvideox()
-    mask = torch.ones(2, TEXT + inputs["image_rotary_emb"][0].shape[0], dtype=torch.bool)
-    mask[1, 3:TEXT] = False  # the second prompt's padding
+    mask = torch.ones(2, COGVIDEOX_TEXT + inputs["image_rotary_emb"][0].shape[0], dtype=torch.bool)
+    mask[1, 3:COGVIDEOX_TEXT] = False  # the second prompt's padding
     unmasked = run(model, inputs)
     inputs = dict(inputs, attention_kwargs={"attention_mask": mask})
     assert_patched_matches(model, inputs, _sites())

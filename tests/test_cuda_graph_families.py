@@ -20,8 +20,8 @@ from ditops.integrations import diffusers as integration  # noqa: E402
 
 
 def to_cuda(value):
-    if isinstance(value, list):
-        return [to_cuda(item) for item in value]
+    if isinstance(value, (list, tuple)):  # lists of per-image tensors; (cos, sin) rotary tables
+        return type(value)(to_cuda(item) for item in value)
     return value.cuda() if isinstance(value, torch.Tensor) else value
 
 
