@@ -147,6 +147,11 @@ def weights(row: dict) -> str:
     return f"{built} ({row['weight_bytes_full_depth_ditops'] / row['weight_bytes_full_depth_bf16']:.2f})"
 
 
+def mode_shown(row: dict) -> str:
+    """The row's mode, and the static launcher where the run had it."""
+    return f"{row['mode']}, static launch" if row.get("static_launch_user_kernels") else row["mode"]
+
+
 def table(path: Path) -> str:
     """The README's table of a results file."""
     lines = ["| model | resolution | mode | bf16 (ms) | torchao FP8 (ms) | ditops FP8 (ms) | vs bf16 | vs torchao "
@@ -159,7 +164,7 @@ def table(path: Path) -> str:
         first = (f"{shown(row['compile_s_ditops'], '.0f')} ({shown(row['compile_s_torchao'], '.0f')})"
                  if "compile_s_ditops" in row else "")
         lines.append(
-            f"| {row['model']} | {row['resolution']} | {row['mode']} | {shown(row['bf16_ms'], '.2f')} | "
+            f"| {row['model']} | {row['resolution']} | {mode_shown(row)} | {shown(row['bf16_ms'], '.2f')} | "
             f"{shown(row['torchao_ms'], '.2f')} | {row['ditops_ms']:.2f} | {shown(row['speedup_vs_bf16'], '.3f')}x | "
             f"{shown(row['speedup_vs_torchao'], '.3f')}x | {shown(row['rel_err_ditops'], '.1e')} "
             f"({shown(row['rel_err_torchao'], '.1e')}) | {first} | {weights(row)} |")
@@ -172,12 +177,18 @@ def combine(paths: list) -> dict:
     per (model, resolution, mode), each way's fields from the run that timed it, the ratios
     recomputed, and ``runs``: which file each way's time came from (timings of separate
     processes; in one run the ways take turns), kept as it was where a row comes from a file
-    combined before."""
+    combined before. A run with Inductor's static launcher gives rows of their own, marked
+    ``static_launch_user_kernels`` (a setting of the process, not of the model)."""
     documents = [json.loads(Path(path).read_text()) for path in paths]
-    merged, rows = dict(documents[0], rows=[], combined_from=[str(path) for path in paths]), {}
+    sources = [source for path, document in zip(paths, documents)
+               for source in document.get("combined_from", [str(path)])]
+    merged, rows = dict(documents[0], rows=[], combined_from=sources), {}
+    merged.pop("static_launch_user_kernels", None)  # per row in a combined document
     for path, document in zip(paths, documents):
         for row in document["rows"]:
-            key = (row["model"], row["resolution"], row["mode"])
+            row = dict(row, static_launch_user_kernels=row.get("static_launch_user_kernels",
+                                                                document.get("static_launch_user_kernels", False)))
+            key = (row["model"], row["resolution"], row["mode"], row["static_launch_user_kernels"])
             target = rows.setdefault(key, dict(row, runs={}))
             for way in WAYS:
                 if row.get(f"{way}_ms") is not None:

@@ -31,7 +31,7 @@ MODELS = {"H100": (RESULTS / "models_H100_2026-11-27.json",),
 MULTIGPU = {"H100x2": RESULTS / "multigpu_H100x2_2026-11-25.json", "H200x2": RESULTS / "multigpu_H200x2_2026-11-28.json"}
 # the FP8 ops' and qk_norm_rope_'s `ditops bench --ops` runs
 BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-28.json", "H200": RESULTS / "NVIDIA-H200_2026-11-28.json"}
-FP8 = {"H100": RESULTS / "fp8_H100_2026-11-28.json", "H200": RESULTS / "fp8_H200_2026-11-28.json"}
+FP8 = {"H100": RESULTS / "fp8_H100_2026-11-28.json", "H200": RESULTS / "fp8_H200_2026-11-29.json"}
 
 # The README's headline rows: per op, one real model shape (the `model` of a bench case).
 HEADLINE = (
@@ -149,7 +149,7 @@ def fp8_headline() -> str:
     both GPUs; the row with full depth preferred)."""
     fp8 = _benchmark_module("fp8")
     documents = {gpu: json.loads(path.read_text()) for gpu, path in FP8.items()}
-    keyed = {gpu: {(row["model"], row["resolution"], row["mode"]): row for row in document["rows"]}
+    keyed = {gpu: {(row["model"], row["resolution"], fp8.mode_shown(row)): row for row in document["rows"]}
              for gpu, document in documents.items()}
     lines = ["**" + "; ".join(_fp8_caption(path) for path in FP8.values()) + "**", "",
              "| model | resolution | mode | " + " | ".join(f"{gpu}: ditops FP8 ms (vs bf16, vs torchao)" for gpu in FP8)
