@@ -2,9 +2,10 @@
 random-weight models: the attention processor contract (backend and parallel config), hooks
 registered before and after ``apply``, the Wan block on a sequence shard, layerwise casting,
 group offloading, accelerate's CPU offloads, regional compilation, and grad mode (no
-torch.no_grad) with q, k and v of one projection. Context parallelism on two processes is in
-test_diffusers_context_parallel.py."""
+torch.no_grad): q, k and v of one projection, and every family's gradients against diffusers'.
+Context parallelism on two processes is in test_diffusers_context_parallel.py."""
 
+import copy
 import warnings
 
 import pytest
@@ -26,10 +27,14 @@ FIRST_BLOCK = {"flux": "transformer_blocks.0", "wan": "blocks.0", "qwen-image": 
 DIFFUSERS_MODULES = ("transformer_flux", "transformer_wan", "transformer_qwenimage", "transformer_z_image")
 
 
+def output(model, inputs) -> torch.Tensor:
+    sample = model(**inputs, return_dict=False)[0]
+    return torch.stack(sample) if isinstance(sample, list) else sample  # Z-Image: one per image
+
+
 def run(model, inputs) -> torch.Tensor:
     with torch.no_grad():
-        sample = model(**inputs, return_dict=False)[0]
-    return torch.stack(sample) if isinstance(sample, list) else sample  # Z-Image: one per image
+        return output(model, inputs)
 
 
 def assert_close_to(patched, expected, blocks):
@@ -344,9 +349,11 @@ def test_qwen_text_mask_under_context_parallelism_runs_diffusers_attention(monke
 
 # (family, how its q, k and v come out of one projection): "fp8", apply(quantize="fp8") joins them
 # into one FP8 GEMM; "fused", diffusers' fuse_qkv_projections before apply; None, the family's own
-# (FLUX.2's single blocks). SD3.5 chunks its joint FP8 projection too, before out-of-place q/k norms.
+# (FLUX.2's single blocks; HunyuanVideo's single blocks project their video and text rows together,
+# with "fp8" as FP8 rows). SD3.5 chunks its joint FP8 projection too, before out-of-place q/k norms.
 JOINT_PROJECTIONS = [("flux", "fp8"), ("flux", "fused"), ("flux2", None), ("flux2", "fp8"), ("sd3.5", "fp8"),
-                     ("wan", "fused"), ("helios", "fused"), ("minimax-h3", "fp8"), ("minimax-h3", "fused")]
+                     ("wan", "fused"), ("helios", "fused"), ("minimax-h3", "fp8"), ("minimax-h3", "fused"),
+                     ("hunyuan-video", None), ("hunyuan-video", "fp8")]
 
 
 def joint_projection_model(name, joint):
@@ -367,6 +374,39 @@ def test_grad_mode_with_a_joint_projection_gives_the_no_grad_output(name, joint)
     expected = run(model, inputs)
     sample = model(**inputs, return_dict=False)[0]
     assert sample.requires_grad and torch.equal(sample, expected)
+
+
+# diffusers rounds Kandinsky 5's q and k to bfloat16: one float32 ulp of difference before the rounding
+# can move them a whole bfloat16 step, so its gradients differ more
+GRADIENT_TOLERANCE = {"kandinsky5": 1e-4}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_grad_mode_gives_the_no_grad_output_and_diffusers_gradients(name):
+    """float32, grad mode (training, LoRA fine-tuning, a call without no_grad): the patched
+    model's output is its no_grad one bit for bit, and its backward gives diffusers' gradients.
+    An in-place op into a projection whose other rows autograd saved fails there: HunyuanVideo's
+    single blocks norm the text rows of the joint q and k, then write the video rows in place
+    (they get copies with grad, patching.writable)."""
+    model, inputs, _ = TINY[name](torch.float32)
+    diffusers_model = copy.deepcopy(model)
+    integration.apply(model)
+    sample = output(model, inputs)
+    assert sample.requires_grad and torch.equal(sample, run(model, inputs))
+    expected = output(diffusers_model, inputs)
+    # random weights: under a plain sum, gradients that cancel (a softmax row sums to 1) would compare ~0 with ~0
+    weights = torch.randn(sample.shape, generator=torch.Generator().manual_seed(2))
+    (sample * weights).sum().backward()
+    (expected * weights).sum().backward()
+    got = {path: p.grad for path, p in model.named_parameters() if p.grad is not None}
+    want = {path: p.grad for path, p in diffusers_model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    tolerance = GRADIENT_TOLERANCE.get(name, TOLERANCE[torch.float32])
+    largest = max(gradient.abs().max() for gradient in want.values())
+    for path, gradient in want.items():  # atol from the largest: some gradients are ~0 (keys' biases)
+        torch.testing.assert_close(got[path], gradient, atol=10 * tolerance * largest, rtol=10 * tolerance, msg=path)
+    error = sum((got[path] - gradient).square().sum() for path, gradient in want.items()).sqrt()
+    assert error / sum(gradient.square().sum() for gradient in want.values()).sqrt() <= tolerance
 
 
 def test_compiled_fp8_flux_block_in_grad_mode_matches_eager():

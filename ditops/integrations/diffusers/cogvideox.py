@@ -249,12 +249,9 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         if not all(hasattr(block, name) for name in _LAYOUT):
             report.skipped.append(f"{path}: {type(block).__name__}, not CogVideoX's block layout; left as it is")
             continue
-        refusal = _attention_refusal(model, block.attn1)
-        if refusal is None:
-            patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", True,
-                                       CogVideoXQKNormRopeProcessor, QK_NORM_ROPE)
-        else:
-            report.skipped.append(f"{path}.attn1: {refusal}; its q/k norms and RoPE stay as diffusers wrote them")
+        patching.replace_processor_unless(patches, report, block.attn1, f"{path}.attn1",
+                                          _attention_refusal(model, block.attn1), CogVideoXQKNormRopeProcessor,
+                                          QK_NORM_ROPE)
         forwards = _block_forwards(block)
         if forwards is None:
             report.skipped.append(f"{path}: {type(block).__name__} has another forward than CogVideoX's block; its "

@@ -162,7 +162,9 @@ class HunyuanVideoQKNormRopeProcessor(patching.DitopsProcessor):
         if single:
             text = patching.batch_and_tokens(encoder_hidden_states)[1]
             query, key, value = _heads(attn, ("to_q", "to_k", "to_v"), _joined(hidden_states, encoder_hidden_states))
-            video_query, video_key = query[:, :-text], key[:, :-text]
+            # with grad, copies: autograd saves the text rows for their norm's backward, and the
+            # write below into views of the same projection would invalidate them
+            video_query, video_key = patching.writable(query[:, :-text], key[:, :-text])
             text_query, text_key = _rms(query[:, -text:], attn.norm_q), _rms(key[:, -text:], attn.norm_k)
         else:
             video_query, video_key, video_value = _heads(attn, ("to_q", "to_k", "to_v"), hidden_states)
@@ -171,7 +173,7 @@ class HunyuanVideoQKNormRopeProcessor(patching.DitopsProcessor):
             text = text_query.shape[1]
             text_query, text_key = _rms(text_query, attn.norm_added_q), _rms(text_key, attn.norm_added_k)
             value = torch.cat([video_value, text_value], dim=1)
-        # in place on the video rows (in a single block, views of the joint projection)
+        # in place on the video rows (in a single block, views of the joint projection without grad)
         ops.qk_norm_rope_(video_query, video_key, attn.norm_q.weight, attn.norm_k.weight, cache, eps=attn.norm_q.eps)
         query = torch.cat([video_query, text_query], dim=1)
         key = torch.cat([video_key, text_key], dim=1)

@@ -239,15 +239,27 @@ def replace_processor(patches: list, report: Report, attention, path: str, suppo
     report.replaced.append((f"{path}.processor", op))
 
 
+def replace_processor_unless(patches: list, report: Report, attention, path: str, refusal: str | None,
+                             processor_class, op: str) -> None:
+    """``replace_processor`` for a model module that says why not: ``refusal``, what of the
+    attention the ditops processor does not compute (None: nothing), goes into the report."""
+    if refusal is None:
+        replace_processor(patches, report, attention, path, True, processor_class, op)
+    else:
+        report.skipped.append(f"{path}: {refusal}; its q/k norms and RoPE stay as diffusers wrote them")
+
+
 # ----- helpers the model modules share --------------------------------------------------------
 
 
 def writable(*projections) -> tuple:
     """q and k for an in-place op (qk_norm_rope_, rope_) where they may be chunks of one
     projection (quantize="fp8" joins q/k/v, diffusers' fuse_qkv_projections, FLUX.2's
-    to_qkv_mlp_proj): as they are without grad, which is what pipelines run; copies with grad.
+    to_qkv_mlp_proj) or rows of one whose other rows autograd saved for backward (HunyuanVideo's
+    single blocks): as they are without grad, which is what pipelines run; copies with grad.
     With grad the op runs its reference math under autograd, which refuses in-place writes into
-    the outputs of split and chunk, and does not say which views those are."""
+    the outputs of split and chunk, and does not say which views those are, and fails backward
+    where a write changed a tensor it saved."""
     return tuple(x.clone() for x in projections) if torch.is_grad_enabled() else projections
 
 
@@ -258,8 +270,9 @@ def plain_layer_norm(norm) -> bool:
 def cos_sin_cache(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """diffusers' cos and sin, each [S, Dh] with every pair's value repeated (interleaved RoPE),
     as the [S, Dh] cache of docs/ops.md: the Dh/2 cos, then the Dh/2 sin. One row per token of the
-    tables the model hands the block, so under context parallelism the shard's own rows."""
-    cache = torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=1)
+    tables the model hands the block, so under context parallelism the shard's own rows. Tables
+    with more axes ([B, S, H, Dh]: a row per head) give a cache of that shape."""
+    cache = torch.cat([cos[..., 0::2], sin[..., 0::2]], dim=-1)
     return cache if cache.dtype in (torch.float32, torch.bfloat16, torch.float16) else cache.float()
 
 

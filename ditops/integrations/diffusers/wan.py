@@ -314,12 +314,9 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     for path, block in list(model.named_modules()):
         if not all(hasattr(block, name) for name in _LAYOUT):
             continue
-        refusal = _attention_refusal(block.attn1)
-        if refusal is None:
-            patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", True,
-                                       _processors()[type(block.attn1.processor)], QK_NORM_ROPE)
-        else:
-            report.skipped.append(f"{path}.attn1: {refusal}; its q/k norms and RoPE stay as diffusers wrote them")
+        patching.replace_processor_unless(patches, report, block.attn1, f"{path}.attn1",
+                                          _attention_refusal(block.attn1),
+                                          _processors().get(type(block.attn1.processor)), QK_NORM_ROPE)
         forwards = _ditops_forwards(block)
         if forwards is None:
             report.skipped.append(f"{path}: {type(block).__name__} has Wan's block layout but another forward; "
