@@ -142,6 +142,10 @@ class HeadSpec:
     norm_over: str = "head"  # qk_norm_rope_'s RMSNorm: per head, or over all heads of a token ("token", weights [H * Dh])
     norm: str = "rms"  # qk_norm_rope_'s norm: "rms", or "layer" (with biases beside the weights when affine)
     affine: bool = True  # qk_norm_rope_'s weights (and LayerNorm biases); False: None
+    # cos_sin_cache's form: "shared" [P, R] for every head; a row per head: "head" [P, H, R],
+    # "batch_head" [B, P, H, R] (a table per batch item), "batch1_head" [1, P, H, R] (one for every
+    # item), "head_major" [B, P, H, R] read through strides from [B, H, P, R] memory
+    cache: str = "shared"
 
 
 def modulation_index(spec: RowSpec, device, generator) -> Optional[torch.Tensor]:

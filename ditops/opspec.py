@@ -386,6 +386,7 @@ def _check_qk_norm_rope(
             rotary_dim=heads.rotary_dim,
             norm=norm,
             interleaved=interleaved,
+            rope_cache=heads.rope_cache,
         )
 
 
@@ -400,6 +401,7 @@ def _check_rope(
             head_size=heads.head_size,
             rotary_dim=heads.rotary_dim,
             interleaved=interleaved,
+            rope_cache=heads.rope_cache,
         )
 
 
@@ -552,15 +554,21 @@ def _rope_inputs(spec: HeadSpec, dtype, device, generator) -> dict:
         k = activation(generator, device, dtype, (*spec.leading, spec.k_heads, head_size), spec.layout)
     rotary_dim = spec.rotary_dim or head_size
     rows = spec.position_offset + spec.leading[-1] + spec.spare_cache_rows
+    # the cache's shape before the columns, as laid out in memory (head_major: heads before rows)
+    heads, batch = spec.q_heads, spec.leading[0]
+    leading = {"shared": (rows,), "head": (rows, heads), "batch_head": (batch, rows, heads),
+               "batch1_head": (1, rows, heads), "head_major": (batch, heads, rows)}[spec.cache]
     if is_meta(device):
-        cache = torch.empty((rows, rotary_dim), dtype=spec.cache_dtype, device="meta")
+        cache = torch.empty((*leading, rotary_dim), dtype=spec.cache_dtype, device="meta")
         positions = None if spec.positions is None else torch.empty(spec.leading, dtype=spec.positions, device="meta")
     else:
-        angle = torch.rand((rows, rotary_dim // 2), generator=generator, device=generator.device, dtype=torch.float64) * 6.3
-        cache = torch.cat([torch.cos(angle), torch.sin(angle)], dim=1).to(device=device, dtype=spec.cache_dtype)
+        angle = torch.rand((*leading, rotary_dim // 2), generator=generator, device=generator.device, dtype=torch.float64) * 6.3
+        cache = torch.cat([torch.cos(angle), torch.sin(angle)], dim=-1).to(device=device, dtype=spec.cache_dtype)
         positions = None
         if spec.positions is not None:
             positions = torch.randint(0, rows, spec.leading, generator=generator, device=generator.device).to(device=device, dtype=spec.positions)
+    if spec.cache == "head_major":
+        cache = cache.transpose(1, 2)
     return dict(q=q, k=None if spec.k_none else k, cos_sin_cache=cache, positions=positions, interleaved=spec.interleaved,
                 rotary_dim=spec.rotary_dim, position_offset=spec.position_offset)
 
@@ -667,13 +675,13 @@ def _rows(batch, tokens, hidden, *, modulation_dtype=None, norm="layer", affine=
 
 
 def _heads(tokens, q_heads, k_heads, head_size, *, interleaved=True, positions=False, norm_over="head",
-           norm="rms") -> HeadSpec:
-    """A RoPE-op benchmark call, q/k [T, H, Dh]: a per-token float32 cache and no positions
-    (multi-axis RoPE), or int64 positions into the cache; the q/k norm weights in the
-    activations' dtype, as the models hold them."""
+           norm="rms", cache="shared") -> HeadSpec:
+    """A RoPE-op benchmark call, q/k [T, H, Dh]: a per-token float32 cache (``cache="head"``: a
+    row per token and head) and no positions (multi-axis RoPE), or int64 positions into the
+    cache; the q/k norm weights in the activations' dtype, as the models hold them."""
     return HeadSpec((tokens,), q_heads, k_heads, head_size, interleaved=interleaved,
                     positions=torch.int64 if positions else None, weight_dtypes=(None, None), norm_over=norm_over,
-                    norm=norm)
+                    norm=norm, cache=cache)
 
 
 _WAN = dict(modulation_dtype=torch.float32, per_batch_3d=True)
@@ -710,6 +718,12 @@ _QK_NORM_ROPE_BENCH = (
                quick=True),
     BenchShape("Wan2.1-14B 720p (token norm)", "T75600 H40 Dh128", _heads(75600, 40, 40, 128, norm_over="token")),
     BenchShape("LTX-2 768x512 121 frames (token norm)", "T6144 H32 Dh128", _heads(6144, 32, 32, 128, norm_over="token")),
+    # LTX-2's video self-attention as ltx2.py calls it: its split (NeoX) tables, each head its own
+    # frequencies, as a float32 cache row per token and head. 6144 tokens: 768x512 pixels through
+    # the VAE's 32x spatial compression are 24 x 16 latents a frame, 121 frames through its 8x
+    # temporal one (the first frame alone) 1 + 120 / 8 = 16 latent frames, one token per latent
+    BenchShape("LTX-2 768x512 121 frames (token norm, per-head cache)", "T6144 H32 Dh128 neox",
+               _heads(6144, 32, 32, 128, interleaved=False, norm_over="token", cache="head")),
     # LayerNorm per head with weight and bias (norm="layer"): CogVideoX-5B's image tokens at 720x480, 49 frames
     BenchShape("CogVideoX-5B 720x480 49 frames (layer norm)", "T17550 H48 Dh64", _heads(17550, 48, 48, 64, norm="layer")),
 )
@@ -834,6 +848,39 @@ LAYER_NORM_SPECS = {
     "layer-empty": HeadSpec((0,), 2, 2, 64, norm="layer"),
     "layer-token-no-affine": HeadSpec((5,), 4, 4, 64, norm_over="token", norm="layer", affine=False),
     "token-norm-rms-no-weight": HeadSpec((4,), 3, 3, 128, norm_over="token", affine=False),
+}
+
+# A cos/sin cache with a row per head (LTX-2, LTX-Video, Mochi: each head its own frequencies):
+# [P, H, R], a table per batch item [B, P, H, R], one table for every item [1, P, H, R], one read
+# through strides from head-major memory; interleaved and NeoX, positions and offsets, a pairs'
+# tail tile (Dh 80, 96, partial rotary), more heads than one tile holds, views, a bfloat16 cache.
+HEAD_CACHE_SPECS = {
+    "head-cache": HeadSpec((13,), 3, 3, 64, cache="head"),
+    "head-cache-neox-positions": HeadSpec((17,), 4, 4, 128, interleaved=False, positions=torch.int64, cache="head"),
+    "head-cache-batch-dh80": HeadSpec((2, 7), 5, 5, 80, positions=torch.int32, cache="batch_head"),
+    "head-cache-one-table-offset": HeadSpec((3, 4), 2, 2, 96, interleaved=False, position_offset=3, cache="batch1_head"),
+    "head-cache-head-major-neox": HeadSpec((2, 6), 6, 6, 128, interleaved=False, cache="head_major"),
+    "head-cache-many-heads": HeadSpec((3,), 40, 40, 128, cache="head"),
+    "head-cache-partial-rotary": HeadSpec((2, 5), 3, 3, 128, rotary_dim=48, interleaved=False, cache="batch_head"),
+    "head-cache-partial-bf16-cache": HeadSpec((9,), 7, 7, 64, rotary_dim=32, cache="head", cache_dtype=torch.bfloat16),
+    "head-cache-qkv-views": HeadSpec((2, 4), 4, 4, 64, layout="qkv", cache="batch_head"),
+    "head-cache-misaligned": HeadSpec((5,), 2, 2, 16, layout="misaligned", cache="head"),
+    "head-cache-empty": HeadSpec((2, 0), 3, 3, 64, cache="batch_head"),
+}
+
+# qk_norm_rope_ with a per-head cache: LTX-2's and LTX-Video's self-attentions (their q/k
+# RMSNorm over all heads of a token, split or interleaved tables per batch item), odd heads
+# with a tail tile and positions, views of a head-major cache, LayerNorms per token and per head.
+NORM_HEAD_CACHE_SPECS = {
+    "token-norm-ltx2-head-cache": HeadSpec((1, 6), 32, 32, 128, interleaved=False, norm_over="token", cache="batch_head"),
+    "token-norm-ltx-video-head-cache": HeadSpec((2, 5), 4, 4, 64, norm_over="token", cache="batch_head"),
+    "token-norm-odd-heads-head-cache": HeadSpec((7,), 5, 5, 80, rotary_dim=48, positions=torch.int64, norm_over="token",
+                                                cache="head"),
+    "token-norm-views-head-cache": HeadSpec((2, 4), 6, 6, 64, layout="qkv", interleaved=False, norm_over="token",
+                                            cache="head_major"),
+    "token-layer-head-cache": HeadSpec((2, 3), 4, 4, 64, norm_over="token", norm="layer", cache="batch1_head"),
+    "layer-head-cache": HeadSpec((5,), 3, 3, 64, interleaved=False, norm="layer", cache="head"),
+    "token-norm-empty-head-cache": HeadSpec((1, 0), 4, 4, 128, norm_over="token", cache="batch_head"),
 }
 
 # FP8 outputs: the bf16 ops' row cases that vary what the quantisation sees (widths, forms,
@@ -1009,8 +1056,10 @@ def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, posi
     """In place: RMSNorm (or LayerNorm) per head over Dh (or per token over its heads), then RoPE on the first R dims.
 
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: the same leading dims with Hk heads; q_weight,
-    k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns); positions:
-    q's leading shape, or None for ``position_offset + token index``. ``norm_over="token"``:
+    k_weight: [Dh]; cos_sin_cache: [P, R] (R/2 cos then R/2 sin columns), or a row per head
+    where each head has its own frequencies (LTX-2), [P, H, R] or [B, P, H, R] (a table per
+    batch item, or B = 1), H = Hq = Hk; positions: q's leading shape, or None for
+    ``position_offset + token index``. ``norm_over="token"``:
     one RMSNorm over all heads of a token (Wan, LTX-2), q_weight [Hq * Dh], k_weight
     [Hk * Dh]; the RoPE is per head either way. ``norm="layer"``: LayerNorm (CogVideoX's q/k
     norms), with optional q_bias and k_bias shaped as the weights; weights and biases may be None. Returns (q, k); under
@@ -1025,6 +1074,8 @@ def qk_norm_rope_(q: T, k: T, q_weight: OT, k_weight: OT, cos_sin_cache: T, posi
     True
     >>> _ = ditops.qk_norm_rope_(q, k, torch.ones(4 * 128), torch.ones(4 * 128), cache, norm_over="token")  # Wan's norms
     >>> _ = ditops.qk_norm_rope_(q, k, None, None, cache, norm="layer")  # LayerNorm without affine (CogView4's)
+    >>> head_cache = cache[:, None].repeat(1, 4, 1)  # [P, H, R]: a row per head (here all alike)
+    >>> _ = ditops.qk_norm_rope_(q, k, None, None, head_cache, norm_over="token")  # LTX-2's norms and tables
     """
 
 
@@ -1221,11 +1272,12 @@ SPECS = {
                **_FP8_GATE_NORMS),
         OpSpec(qk_norm_rope_, _check_qk_norm_rope, reference.qk_norm_rope_, _qk_norm_rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
                check_values=_in_place_checks("qk_norm_rope_", ("q_weight", "k_weight", "cos_sin_cache", "positions")),
-               conformance={**HEAD_SPECS, **TOKEN_NORM_SPECS, **LAYER_NORM_SPECS}, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128),
+               conformance={**HEAD_SPECS, **TOKEN_NORM_SPECS, **LAYER_NORM_SPECS, **HEAD_CACHE_SPECS,
+                            **NORM_HEAD_CACHE_SPECS}, bench=_QK_NORM_ROPE_BENCH, default_shape=(4608, 24, 128),
                typical=_typical_heads),
         OpSpec(rope_, _check_rope, reference.rope_, _rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
                check_values=_in_place_checks("rope_", ("cos_sin_cache", "positions")),
-               conformance={**HEAD_SPECS, **ROPE_ONLY_SPECS}, bench=_ROPE_BENCH, default_shape=(4096, 32, 128),
+               conformance={**HEAD_SPECS, **ROPE_ONLY_SPECS, **HEAD_CACHE_SPECS}, bench=_ROPE_BENCH, default_shape=(4096, 32, 128),
                typical=_typical_heads),
     )
 }

@@ -211,11 +211,13 @@ def per_batch(op: str, name: str, t, x_rows: RowShape, device: torch.device) -> 
 
 
 class HeadShape(NamedTuple):
-    """q as [..., Hq, Dh] and k as [..., Hk, Dh] with R rotary dims."""
+    """q as [..., Hq, Dh] and k as [..., Hk, Dh] with R rotary dims, and the cos/sin cache's
+    form: "shared" ([P, R], one row for every head) or "per_head" ([P, H, R], [B, P, H, R])."""
 
     leading: tuple
     head_size: int
     rotary_dim: int
+    rope_cache: str
 
 
 def _heads(op: str, name: str, t, device: Optional[torch.device]) -> None:
@@ -262,11 +264,16 @@ def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, 
         if tuple(k.shape[:-2]) != leading or k.shape[-1] != head_size:
             fail(op, "k", f"has shape {_shape(k)}", f"[{', '.join(map(str, leading))}, Hk, {head_size}] (q's leading dims and Dh)")
     tensor(op, "cos_sin_cache", cos_sin_cache, ACTIVATION_DTYPES, device)
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or not 2 <= cos_sin_cache.shape[1] <= head_size:
-        fail(op, "cos_sin_cache", f"has shape {_shape(cos_sin_cache)}", f"[P, R] with R even and 2 <= R <= Dh = {head_size}")
-    cache_positions, cache_dims = cos_sin_cache.shape
+    rank = cos_sin_cache.dim()
+    cache_dims = cos_sin_cache.shape[-1] if rank else 0
+    if rank not in (2, 3, 4) or cache_dims % 2 or not 2 <= cache_dims <= head_size:
+        fail(op, "cos_sin_cache", f"has shape {_shape(cos_sin_cache)}",
+             f"[P, R], [P, H, R] or [B, P, H, R] with R even and 2 <= R <= Dh = {head_size}")
+    if rank > 2:
+        _per_head_cache(op, cos_sin_cache, q, k)
+    cache_positions = _cache_rows(cos_sin_cache)
     if rotary_dim is not None and rotary_dim != cache_dims:
-        fail(op, "rotary_dim", f"is {rotary_dim!r}", f"None or cos_sin_cache.shape[1] = {cache_dims} (the cache holds R/2 cos then R/2 sin columns)")
+        fail(op, "rotary_dim", f"is {rotary_dim!r}", f"None or cos_sin_cache.shape[-1] = {cache_dims} (the cache holds R/2 cos then R/2 sin columns)")
     if cos_sin_cache.stride(-1) != 1 and cache_dims > 1:
         fail(op, "cos_sin_cache", f"has strides {list(cos_sin_cache.stride())}", "a last dimension of stride 1")
     if not isinstance(interleaved, bool):
@@ -285,7 +292,33 @@ def heads(op: str, q, k, cos_sin_cache, positions, rotary_dim, position_offset, 
             )
     else:
         _positions(op, positions, leading, position_offset, device)
-    return HeadShape(leading, head_size, cache_dims)
+    return HeadShape(leading, head_size, cache_dims, "per_head" if rank > 2 else "shared")
+
+
+def _cache_rows(cos_sin_cache) -> int:
+    """P, the positions a cos/sin cache holds: its rows, [P, R], [P, H, R] or [B, P, H, R]."""
+    return cos_sin_cache.shape[-3] if cos_sin_cache.dim() > 2 else cos_sin_cache.shape[0]
+
+
+def _per_head_cache(op: str, cache: torch.Tensor, q: torch.Tensor, k) -> None:
+    """A cache with a row per head, [P, H, R], or a table per batch item too, [B, P, H, R]: its H
+    is q's heads and k's (under GQA a k head serves several q heads, whose rows differ), its B
+    q's batch size or 1 (one table for every item)."""
+    heads = cache.shape[-2]
+    if heads != q.shape[-2]:
+        fail(op, "cos_sin_cache", f"has shape {_shape(cache)}, rows for H={heads} heads",
+             f"a row per head of q, H = {q.shape[-2]}")
+    if k is not None and k.shape[-2] != heads:
+        fail(op, "cos_sin_cache", f"has a row per head, for q's {heads} heads and k's {k.shape[-2]}",
+             "a [P, R] cache where q and k have different head counts (per head: rope_ on q and on k, "
+             "each with its own cache)")
+    if cache.dim() == 4:
+        if q.dim() != 4:
+            fail(op, "cos_sin_cache", f"has shape {_shape(cache)}, a table per batch item, for q of shape {_shape(q)}",
+                 "q as [B, S, H, Dh] beside a [B, P, H, R] cache")
+        if cache.shape[0] not in (1, q.shape[0]):
+            fail(op, "cos_sin_cache", f"has shape {_shape(cache)}, tables for B={cache.shape[0]} batch items",
+                 f"one per batch item of q, B = {q.shape[0]}, or one for every item, B = 1")
 
 
 def _positions(op, positions, leading, position_offset, device) -> None:
@@ -305,7 +338,7 @@ def position_values(op: str, positions, cos_sin_cache) -> None:
     kind = positions.device.type
     if kind == "cpu" or kind != "meta" and debug_checks():
         low, high = int(positions.min()), int(positions.max())
-        rows = cos_sin_cache.shape[0]
+        rows = _cache_rows(cos_sin_cache)
         if low < 0 or high >= rows:
             fail(op, "positions", f"has values in [{low}, {high}]", f"values in [0, {rows}) (rows of cos_sin_cache)")
 

@@ -32,6 +32,8 @@ SMOKE = (
     compiled.row_instance("gated_add_norm", torch.bfloat16, torch.float32, 3840, True, torch.float8_e4m3fn),
     compiled.quantize_instance(torch.bfloat16, torch.float8_e4m3fn, True, 12288),  # FLUX's MLP activation
     compiled.quantize_instance(torch.bfloat16, torch.float8_e4m3fn, True, 3072 + 12288, True),  # FLUX's single block
+    compiled.rotary_instance(torch.bfloat16, 64, True, False, True),  # CogVideoX's q/k LayerNorm + RoPE
+    compiled.rotary_token_norm_instance(torch.bfloat16, False, 5120, True),  # a LayerNorm per token
 )
 ARCHS = ("sm_80", "sm_89", "sm_90")
 # Instances per NVRTC program: on a CI machine gated_add_norm's took 0.37 s each compiled one per
@@ -143,10 +145,10 @@ def test_every_call_the_registry_accepts_maps_to_a_tested_instance():
             for kernel, affine in itertools.product(compiled.ROW_KERNELS, (False, True)):
                 assert compiled.row_instance(kernel, dtype, param_dtype, hidden, affine) in tested
     for dtype, head_size in itertools.product(dtypes, range(8, 256 + 1, 8)):
-        assert {compiled.rotary_instance(dtype, head_size, interleaved, streaming)
-                for interleaved, streaming in itertools.product((False, True), (False, True))} <= tested
+        assert {compiled.rotary_instance(dtype, head_size, interleaved, streaming, layer)
+                for interleaved, streaming, layer in itertools.product((False, True), (False, True), (False, True))} <= tested
     for dtype, interleaved, hidden in itertools.product(dtypes, (False, True), range(8, 8192 + 1, 8)):  # norm_over="token"
-        assert compiled.rotary_token_norm_instance(dtype, interleaved, hidden) in tested
+        assert {compiled.rotary_token_norm_instance(dtype, interleaved, hidden, layer) for layer in (False, True)} <= tested
     for dtype, fp8_dtype, hidden in itertools.product(dtypes, compiled.FP8_TYPES, range(8, 16384 + 1, 8)):
         assert {compiled.quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
                 for gelu, prefix in itertools.product((False, True), (False, True))} <= tested
@@ -198,6 +200,32 @@ def test_a_row_call_takes_the_affine_instance_exactly_when_it_has_a_weight_or_bi
             assert launch.instance.template_arguments[-1] == compiled.FP8_TYPES[outputs[0].dtype], case.id
         seen.add(affine)
     assert seen == {False, True}
+
+
+def test_a_qk_norm_rope_call_takes_the_layer_norm_instance_exactly_when_norm_is_layer():
+    """The RMSNorm instances compile the LayerNorm path away, so each qk_norm_rope_ conformance
+    case's launch (built on the CPU) takes the LayerNorm instance (the rotary kernels' LAYER
+    flag, their last template argument) exactly for norm="layer", and passes the call's
+    biases, q's then k's, after the weights; rope_ never takes it."""
+    from ditops.backends.cuda import KERNELS
+
+    seen = set()
+    for case in conformance.CASES:
+        if case.op not in ("qk_norm_rope_", "rope_"):
+            continue
+        values = case.arguments(torch.bfloat16, "cpu")
+        arguments, _ = ordered_arguments(case.op, **values)
+        if OPS[case.op].check(*arguments) is None:
+            continue  # empty input: nothing is launched
+        launch = getattr(KERNELS, case.op + "_launch")(*arguments)
+        layer = values.get("norm") == "layer"
+        assert launch.instance.kernel == ("rotary_token_norm" if values.get("norm_over") == "token" else "rotary"), case.id
+        assert launch.instance.template_arguments[-1] == ("true" if layer else "false"), case.id
+        biases = [field[0] for field in launch.arguments[4:6]]
+        assert all(a is b for a, b in zip(biases, (values.get("q_bias"), values.get("k_bias")))), case.id
+        seen.add((values.get("norm_over", "head"), layer, values.get("q_bias") is not None))
+    assert {("head", True, True), ("head", True, False), ("token", True, False), ("head", False, False),
+            ("token", False, False)} <= seen
 
 
 def test_a_quantize_call_takes_the_instance_of_its_format_and_activation():

@@ -551,13 +551,18 @@ def test_hidream_block_traces_as_one_graph(blocks):
 
 # ----- LTX-Video and LTX-2 ---------------------------------------------------------------------
 
-LTX_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "rope_"}
-LTX2_OPS = LTX_OPS | {"residual_norm_scale_shift, norm_scale_shift"}  # the norm whose output two attentions take
+LTX_OPS = {"norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_", "rope_"}  # the ops a forward may call
+QK_NORM_ROPE = "qk_norm_rope_ (norm_over=token)"  # the report's op for a self-attention
+LTX_SITES = {"norm_scale_shift", "residual_norm_scale_shift", QK_NORM_ROPE}
+# the audio-video attentions' rope_, and the norm whose output two attentions take
+LTX2_SITES = LTX_SITES | {"rope_", "residual_norm_scale_shift, norm_scale_shift"}
 
 
-LTX_LIKE = {"ltx-video": (tiny_ltx, 3, LTX_OPS), "ltx-2": (tiny_ltx2, 12, LTX2_OPS),
-            "ltx-2-split-rope": (lambda: tiny_ltx2("split"), 12, LTX2_OPS),
-            "ltx-2.3": (lambda: tiny_ltx2("split", ltx23=True), 12, LTX2_OPS)}
+LTX_LIKE = {"ltx-video": (tiny_ltx, 3, LTX_SITES), "ltx-2": (tiny_ltx2, 12, LTX2_SITES),
+            "ltx-2-split-rope": (lambda: tiny_ltx2("split"), 12, LTX2_SITES),
+            "ltx-2.3": (lambda: tiny_ltx2("split", ltx23=True), 12, LTX2_SITES)}
+AUDIO_VIDEO_NORMS = ("the audio-video attentions' q/k RMSNorm: diffusers' norm_q / norm_k, then rope_ on q and on k "
+                     "(their tokens and tables differ; qk_norm_rope_ takes q and k of one table)")
 
 
 def audio_sample(model, inputs) -> torch.Tensor:
@@ -568,8 +573,8 @@ def audio_sample(model, inputs) -> torch.Tensor:
 @pytest.mark.parametrize("name", LTX_LIKE)
 def test_ltx_like_patched_matches_diffusers_and_remove_restores_it(name):
     """Per LTX-Video block: norm1, norm2, attn1; per LTX-2 block: 8 norms and the self- and
-    audio-video attentions. The text cross-attentions, the q/k norms and the output norms are
-    left alone and reported; LTX-2's audio output matches too."""
+    audio-video attentions. The text cross-attentions, the audio-video attentions' q/k norms and
+    the output norms are left alone and reported; LTX-2's audio output matches too."""
     build, sites, ops = LTX_LIKE[name]
     model, inputs = build()
     state = {key: value.clone() for key, value in model.state_dict().items()}
@@ -577,9 +582,8 @@ def test_ltx_like_patched_matches_diffusers_and_remove_restores_it(name):
     report = assert_patched_matches(model, inputs, 2, 2 * sites, ops)
     texts = ("attn2",) if name == "ltx-video" else ("attn2", "audio_attn2")
     assert report.skipped == [f"transformer_blocks.{i}.{text}: text cross-attention, q/k RMSNorm without RoPE; left as "
-                              "it is" for i in range(2) for text in texts] + [
-        "the attentions' q/k RMSNorm over all heads together (not per head as qk_norm_rope_ computes): diffusers' "
-        "norm_q / norm_k",
+                              "it is" for i in range(2) for text in texts] + ([] if name == "ltx-video" else [
+        AUDIO_VIDEO_NORMS]) + [
         f"{'norm_out' if name == 'ltx-video' else 'norm_out, audio_norm_out'}: the output LayerNorm and its "
         "modulation; left as it is"]
     if audio is not None:
@@ -593,11 +597,11 @@ def test_ltx_like_patched_matches_diffusers_and_remove_restores_it(name):
 @pytest.mark.parametrize("name", LTX_LIKE)
 def test_ltx_like_runs_the_ops(monkeypatch, name):
     """Per LTX-2 block: 4 norm_scale_shift (norm1s, the second modulation of the two audio-video
-    norms), 6 residual_norm_scale_shift, rope_ once per self-attention and twice (q, k: tables
-    of their own) per audio-video attention."""
+    norms), 6 residual_norm_scale_shift, qk_norm_rope_ once per self-attention (its q/k norms
+    and RoPE) and rope_ twice (q, k: tables of their own) per audio-video attention."""
     calls = patched_calls(monkeypatch, LTX_LIKE[name][0], sorted(LTX_OPS))
-    per_block = (["norm_scale_shift", "residual_norm_scale_shift", "rope_"] if name == "ltx-video" else
-                 ["norm_scale_shift"] * 4 + ["residual_norm_scale_shift"] * 6 + ["rope_"] * 6)
+    per_block = (["norm_scale_shift", "residual_norm_scale_shift", "qk_norm_rope_"] if name == "ltx-video" else
+                 ["norm_scale_shift"] * 4 + ["residual_norm_scale_shift"] * 6 + ["qk_norm_rope_"] * 2 + ["rope_"] * 4)
     assert calls == sorted(per_block * 2)
 
 
@@ -615,20 +619,66 @@ def test_ltx2_isolated_modalities_stg_and_a_self_attention_mask_match_diffusers(
     assert (patched - expected).norm() / expected.norm() <= TOLERANCE
     assert (audio - expected_audio).norm() / expected_audio.norm() <= TOLERANCE
     # per forward: block 1's audio self-attention; per block: norm1s, norm2s and norm3s
-    assert sorted(calls) == sorted((["rope_"] + ["norm_scale_shift"] * 2 * 2 + ["residual_norm_scale_shift"] * 4 * 2) * 2)
+    assert sorted(calls) == sorted((["qk_norm_rope_"] + ["norm_scale_shift"] * 2 * 2 + ["residual_norm_scale_shift"] * 4 * 2)
+                                   * 2)
 
 
 @pytest.mark.parametrize("name", LTX_LIKE)
 def test_ltx_like_block_traces_as_one_graph(name):
-    """The norms are the graph's ditops nodes; the RoPE is diffusers' there (ltx2.py says why)."""
+    """The norms are the graph's ditops nodes; the q/k norms and RoPE are diffusers' there (ltx2.py
+    says why)."""
     build, _, ops = LTX_LIKE[name]
     model, inputs = build()
     integration.apply(model)
     block = model.transformer_blocks[0]
     arguments, keywords = block_call(model, inputs, block)
-    assert_traces_as_one_graph(block, arguments, LTX_OPS - {"rope_"}, keywords)
+    assert_traces_as_one_graph(block, arguments, LTX_OPS - {"qk_norm_rope_", "rope_"}, keywords)
     torch._dynamo.reset()
-    assert "torch.ops.ditops.rope_" not in torch._dynamo.explain(block)(*arguments, **keywords).graphs[0].code
+    code = torch._dynamo.explain(block)(*arguments, **keywords).graphs[0].code
+    assert "torch.ops.ditops.rope_" not in code and "torch.ops.ditops.qk_norm_rope_" not in code
+
+
+def test_ltx2_self_attention_with_a_hooked_or_other_norm_keeps_diffusers_norms(monkeypatch):
+    """A hook on a self-attention's norm_q (block 0's video attn1), or q/k norms of two eps (block
+    1's audio attn1, built so here): diffusers' norm_q / norm_k run, then rope_; the other
+    self-attentions still take qk_norm_rope_, and the output is diffusers'."""
+    model, inputs = tiny_ltx2("split")
+    model.transformer_blocks[1].audio_attn1.norm_k.eps = 1e-5
+    expected = run(model, inputs)
+    report = integration.apply(model)
+    assert ("transformer_blocks.1.audio_attn1.processor", "rope_") in report.replaced
+    assert ("transformer_blocks.1.audio_attn1: q/k norms not torch.nn.RMSNorms of one eps over all heads of a token: "
+            "diffusers' norm_q / norm_k, then rope_") in report.skipped
+    hooked = []
+    model.transformer_blocks[0].attn1.norm_q.register_forward_hook(lambda *arguments: hooked.append(True))
+    calls = recorded_calls(monkeypatch, sorted(LTX_OPS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ditops' note that the hooked norm runs as diffusers' module
+        patched = run(model, inputs)
+    assert hooked
+    # qk_norm_rope_: block 0's audio and block 1's video self-attention; rope_: the other two
+    # (q and k in one call), and q and k of each audio-video attention
+    assert sorted(call for call in calls if "rope" in call) == ["qk_norm_rope_"] * 2 + ["rope_"] * (2 + 2 * 2 * 2)
+    assert (patched - expected).norm() / expected.norm() <= TOLERANCE
+
+
+def test_ltx2_self_attentions_under_autograd_match_diffusers():
+    """With grad (fine-tuning): qk_norm_rope_ writes the projections' outputs in place under
+    autograd; the output and a q projection's weight gradient are diffusers'."""
+    model, inputs = tiny_ltx2("split")
+    weight = model.transformer_blocks[0].attn1.to_q.weight
+
+    def output_and_gradient():
+        model.zero_grad()
+        sample = model(**inputs).sample
+        sample.square().mean().backward()
+        return sample.detach(), weight.grad.clone()
+
+    expected, expected_gradient = output_and_gradient()
+    integration.apply(model)
+    patched, gradient = output_and_gradient()
+    assert (patched - expected).norm() / expected.norm() <= TOLERANCE
+    assert (gradient - expected_gradient).norm() / expected_gradient.norm() <= TOLERANCE
 
 
 # ----- MiniMax-H3 ---------------------------------------------------------------------------------

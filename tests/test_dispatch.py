@@ -14,7 +14,7 @@ from conftest import TESTS
 import ditops
 from ditops import dispatch
 from ditops.dispatch import device as device_module
-from ditops.examples import example_arguments
+from ditops.examples import HeadSpec, build, example_arguments
 from ditops.opspec import SPECS
 
 KERNEL_OPS = [op for op in dispatch.OPS if not SPECS[op].quantized]  # the toy registries have no rows for the FP8 ops
@@ -530,16 +530,41 @@ def test_modulation_tables_go_to_triton_with_the_compiled_backends_reason(op, ar
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
-def test_qk_layer_norm_goes_to_triton_with_the_compiled_backends_reason(arch, rocm_6):
-    """The cuda and rocm rotary kernels are RMSNorm only (registry.yaml: norms)."""
+@pytest.mark.parametrize("op", ["qk_norm_rope_", "rope_"])
+def test_a_cache_row_per_head_goes_to_triton_with_the_compiled_backends_reason(op, arch, rocm_6):
+    """The cuda and rocm rotary kernels read one cache row per token (registry.yaml: rope_caches)."""
     compiled = "cuda" if arch.startswith("sm_") else "rocm"
     with described(arch):
-        arguments = example_arguments("qk_norm_rope_", (8, 4, 64), torch.bfloat16, param_dtype=torch.float32)
-        layer = ditops.explain("qk_norm_rope_", **arguments, norm="layer", q_bias=torch.randn(64), k_bias=torch.randn(64))
-        rms = ditops.explain("qk_norm_rope_", **arguments)
-    assert layer.selected == "triton" and layer.features.norm == "layer"
-    assert "supports norm in ['rms'], got 'layer'" in refusals_of(layer)[compiled]
-    assert "supports norm in" not in (refusals_of(rms)[compiled] or "")
+        arguments = example_arguments(op, (2, 8, 4, 64), torch.bfloat16, param_dtype=torch.float32)
+        per_head = dict(arguments, cos_sin_cache=arguments["cos_sin_cache"][None, :, None].expand(2, -1, 4, -1))
+        head_cache = ditops.explain(op, **per_head)
+        shared = ditops.explain(op, **arguments)
+    assert head_cache.selected == "triton" and head_cache.features.rope_cache == "per_head"
+    assert ("supports cos/sin cache forms ['shared'] ([P, R]: one row for every head), got 'per_head'"
+            in refusals_of(head_cache)[compiled])
+    assert shared.features.rope_cache == "shared" and "cache forms" not in (refusals_of(shared)[compiled] or "")
+
+
+def _qk_layer_norm_arguments(norm_over: str) -> dict:
+    """qk_norm_rope_(norm="layer") with weights and biases, GQA heads of 64."""
+    spec = HeadSpec((8,), 4, 2, 64, norm="layer", norm_over=norm_over)
+    return build("qk_norm_rope_", spec, torch.bfloat16, "cpu", torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("norm_over", ["head", "token"])
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_qk_layer_norm_runs_on_the_compiled_backends(arch, norm_over, rocm_6, tmp_path):
+    """The cuda and rocm rotary kernels take norm="layer" with biases, per head and per token:
+    with triton disabled the compiled backend serves such calls."""
+    compiled = "cuda" if arch.startswith("sm_") else "rocm"
+    if (ROCM_REFUSAL if compiled == "rocm" else CUDA_REFUSAL):
+        pytest.skip(f"{compiled} backend unavailable here")
+    config = tmp_path / "no_triton.yaml"
+    config.write_text("disable: [triton]\n")
+    dispatch.load_config(config)
+    with described(arch):
+        explanation = ditops.explain("qk_norm_rope_", **_qk_layer_norm_arguments(norm_over))
+    assert explanation.selected == compiled and explanation.features.norm == "layer"
 
 
 # Measured preferences (registry.yaml: preferences): a device class and a size range move
@@ -587,6 +612,16 @@ def test_the_rope_preference_holds_for_the_measured_layout_and_head_sizes(name, 
         with _named("sm_90" if "A100" not in name else "sm_80", name):
             explanation = ditops.explain("rope_", **arguments, interleaved=interleaved, compiled=compiled)
         assert explanation.selected == expected, tokens
+
+
+@pytest.mark.parametrize("norm_over", ["token", "head"])
+def test_a_layer_norm_keeps_the_order_of_ops_where_only_rmsnorm_was_measured(norm_over):
+    """On the H200 the token-norm preference (registry.yaml) was measured with RMSNorm: a
+    LayerNorm per token or per head keeps the order of ops (triton), which cuda would serve."""
+    with _named("sm_90", "NVIDIA H200"):
+        explanation = ditops.explain("qk_norm_rope_", **_qk_layer_norm_arguments(norm_over))
+    assert explanation.selected == "triton"
+    assert refusals_of(explanation)["cuda"] is None
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])

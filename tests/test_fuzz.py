@@ -6,7 +6,8 @@ ditops.conformance under docs/ops.md's tolerances.
 and real sizes, GQA/MQA, partial rotary); dtypes of the activations and, separately, of the
 other tensors; every modulation form of docs/ops.md, as strided and expanded views; activations
 contiguous, row-strided, at a storage offset, or with batch and token axes swapped; norms,
-affine weights, eps, gate activation; RoPE positions (int32/int64), offsets, layouts, k=None.
+affine weights, eps, gate activation; RoPE positions (int32/int64), offsets, layouts, k=None,
+caches with a row per head.
 A failure prints the call and the one line that replays it.
 
 On a GPU: ``DITOPS_FUZZ_CASES`` cases per backend (default 2000) with outputs allocated over
@@ -183,6 +184,10 @@ def _head_case(op, draw: Draw, dtype):
                          eps=draw.choice((1e-6, 1e-5)))
     elif draw.chance(0.2):
         arguments["k"] = None
+    if q_heads == k_heads and draw.chance(0.25):  # drawn last: the other cases draw what they drew before
+        items = (leading[0],) if len(leading) == 2 and draw.chance(0.5) else ()  # a table per batch item
+        angles = torch.rand((*items, rows, q_heads, rotary_dim // 2), generator=draw.values, dtype=torch.float64) * 6.3
+        arguments["cos_sin_cache"] = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=DEVICE, dtype=cache.dtype)
     return arguments
 
 

@@ -432,6 +432,40 @@ def test_flux_like_multi_axis_rope_with_position_offset():
     torch.testing.assert_close(q, want, **TIGHT)
 
 
+@pytest.mark.parametrize("op", ["rope_", "qk_norm_rope_"])
+@pytest.mark.parametrize("form", ["head", "batch_head", "one_table"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_a_cache_row_per_head(op, form, interleaved, with_positions):
+    """A cache with a row per head, [P, H, R], [B, P, H, R] or [1, P, H, R]: head h of item b
+    is normalised and rotated as that head alone with the [P, R] cache of its own rows."""
+    gen = generator(8800)
+    B, S, H, Dh, R, P = 2, 5, 3, 12, 8, 9
+    q, k = randn(gen, B, S, H, Dh), randn(gen, B, S, H, Dh)
+    angles = randn(gen, B, P, H, R // 2, scale=3.0)
+    tables = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [B, P, H, R]
+    cache = {"head": tables[0], "batch_head": tables, "one_table": tables[:1]}[form]
+    positions = torch.randint(0, P, (B, S), generator=gen) if with_positions else None
+    offset = 0 if with_positions else 2
+    q_weight, k_weight = randn(gen, Dh, scale=0.5) + 1, randn(gen, Dh, scale=0.5) + 1
+    want_q, want_k = q.clone(), k.clone()
+    for b in range(B):
+        item = slice(b, b + 1)
+        item_positions = positions[item] if with_positions else None
+        for h in range(H):
+            table = tables[b if form == "batch_head" else 0, :, h]
+            for want, v, weight in ((want_q, q, q_weight), (want_k, k, k_weight)):
+                head = v[item, :, h : h + 1]
+                want[item, :, h : h + 1] = (rope64(head, table, item_positions, offset, interleaved) if op == "rope_"
+                                            else qk_norm_rope64(head, weight, table, item_positions, offset, interleaved))
+    if op == "rope_":
+        reference.rope_(q, k, cache, positions, interleaved, None, offset)
+    else:
+        reference.qk_norm_rope_(q, k, q_weight, k_weight, cache, positions, interleaved, None, 1e-6, offset)
+    torch.testing.assert_close(q, want_q, **TIGHT)
+    torch.testing.assert_close(k, want_k, **TIGHT)
+
+
 def test_outputs_written_into_given_tensors():
     """Given output tensors are filled (every element) and returned."""
     gen = generator(8700)

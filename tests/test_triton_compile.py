@@ -165,7 +165,7 @@ def test_every_kernel_and_option_is_exercised():
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
                  "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT", "QUANT", "HAS_STATIC_SCALE", "GELU", "TABLE",
-                 "LAYER", "HAS_Q_BIAS", "HAS_K_BIAS"):
+                 "LAYER", "HAS_Q_BIAS", "HAS_K_BIAS", "HEAD_CACHE"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
@@ -475,4 +475,4 @@ def test_the_token_norm_sweep_gives_every_width_the_setting_swept(monkeypatch):
     monkeypatch.setattr(compiled, "_launch_settings", lambda: table)
     for hidden in (8, 1536, 5120, settings["rotary_token_norm"][-1]["max_hidden"]):
         instance = compiled.rotary_token_norm_instance(torch.bfloat16, True, hidden)
-        assert instance.template_arguments[2:] == (64, 3) and instance.block == 64
+        assert instance.template_arguments[2:4] == (64, 3) and instance.block == 64

@@ -294,7 +294,7 @@ def test_valid_table_forms_pass(op):
 # ---- RoPE ops: q, k, cos_sin_cache, positions, offsets, flags.
 
 HEADS_WANTED = "[T, H, Dh] or [B, S, H, Dh]"
-CACHE_WANTED = "[P, R] with R even and 2 <= R <= Dh = 16"
+CACHE_WANTED = "[P, R], [P, H, R] or [B, P, H, R] with R even and 2 <= R <= Dh = 16"
 ROPE = [
     *(rule for op in ROPE_OPS for rule in (
         case("q-2d", op, {"q": randn(T, DH)}, "q", "has shape [5, 16]", HEADS_WANTED),
@@ -313,15 +313,25 @@ ROPE = [
              "(16, 1)"),
         case("q-expanded", op, {"q": randn(1, HQ, DH).expand(T, HQ, DH)}, "q",
              "is expanded (stride 0) along dimension 0", "a tensor that can be written in place"),
-        case("cache-3d", op, {"cos_sin_cache": randn(P, R // 2, 2)}, "cos_sin_cache", "has shape [10, 4, 2]",
+        case("cache-5d", op, {"cos_sin_cache": randn(1, P, HQ, 1, R)}, "cos_sin_cache", "has shape [1, 10, 4, 1, 8]",
              CACHE_WANTED),
+        case("cache-1d", op, {"cos_sin_cache": randn(R)}, "cos_sin_cache", "has shape [8]", CACHE_WANTED),
+        # a row per head: q's heads, and k's (under GQA k's rows would be undefined)
+        case("head-cache-heads", op, {"cos_sin_cache": randn(P, HQ + 1, R)}, "cos_sin_cache",
+             "has shape [10, 5, 8], rows for H=5 heads", "a row per head of q, H = 4"),
+        case("head-cache-gqa", op, {"cos_sin_cache": randn(P, HQ, R)}, "cos_sin_cache",
+             "has a row per head, for q's 4 heads and k's 2", "a [P, R] cache where q and k have different head counts"),
+        case("head-cache-batch-for-3d-q", op, {"cos_sin_cache": randn(1, P, HQ, R), "k": randn(T, HQ, DH)},
+             "cos_sin_cache",
+             "has shape [1, 10, 4, 8], a table per batch item, for q of shape [5, 4, 16]",
+             "q as [B, S, H, Dh] beside a [B, P, H, R] cache"),
         case("cache-odd-R", op, {"cos_sin_cache": randn(P, R - 1)}, "cos_sin_cache", "has shape [10, 7]", CACHE_WANTED),
         case("cache-R-over-Dh", op, {"cos_sin_cache": randn(P, DH + 2)}, "cos_sin_cache", "has shape [10, 18]",
              CACHE_WANTED),
         case("cache-column-stride", op, {"cos_sin_cache": randn(R, P).t()}, "cos_sin_cache", "has strides [1, 10]",
              "a last dimension of stride 1"),
         case("rotary_dim-not-R", op, {"rotary_dim": R // 2}, "rotary_dim", "is 4",
-             "None or cos_sin_cache.shape[1] = 8"),
+             "None or cos_sin_cache.shape[-1] = 8"),
         case("positions-float", op, {"positions": torch.ones(T)}, "positions", "has dtype float32",
              "one of int32, int64"),
         case("positions-shape", op, {"positions": torch.ones(T + 1, dtype=torch.int32)}, "positions",
@@ -343,6 +353,15 @@ ROPE = [
          dtype=torch.int64)}, "positions", "has shape [10]", "q's leading shape [2, 5]"),
     case("4d-offset-plus-S-past-cache", "rope_", {"q": randn(B, T, HQ, DH), "k": None, "positions": None,
          "position_offset": P - T + 1}, "cos_sin_cache", "has 10 rows", "at least position_offset + S = 6 + 5 rows"),
+    # a table per batch item: B of q, or one for every item; its rows count positions as a [P, R] cache's
+    case("head-cache-batch", "rope_", {"q": randn(B, T, HQ, DH), "k": None, "positions": None,
+         "cos_sin_cache": randn(B + 1, P, HQ, R)}, "cos_sin_cache", "has shape [3, 10, 4, 8], tables for B=3 batch items",
+         "one per batch item of q, B = 2, or one for every item, B = 1"),
+    case("head-cache-offset-plus-S-past-rows", "rope_", {"q": randn(B, T, HQ, DH), "k": None, "positions": None,
+         "cos_sin_cache": randn(B, P, HQ, R), "position_offset": P - T + 1}, "cos_sin_cache", "has 10 rows",
+         "at least position_offset + S = 6 + 5 rows"),
+    case("head-cache-positions-past-rows", "rope_", {"k": None, "cos_sin_cache": randn(P, HQ, R),
+         "positions": torch.tensor([0, 1, 9, 10, 3])}, "positions", "has values in [0, 10]", "values in [0, 10)"),
     case("k-None", "qk_norm_rope_", {"k": None}, "k", "is None", "a tensor (only rope_ takes k=None)"),
     case("q_weight-shape", "qk_norm_rope_", {"q_weight": randn(HQ, DH)}, "q_weight", "has shape [4, 16]", "[16]"),
     case("k_weight-shape", "qk_norm_rope_", {"k_weight": randn(DH + 2)}, "k_weight", "has shape [18]", "[16]"),
@@ -370,6 +389,11 @@ def test_valid_edge_forms_pass():
     call("rope_", q=randn(1, 1, 512), k=None, cos_sin_cache=randn(P, 512), positions=None)
     call("rope_", positions=torch.tensor([0, P - 1, 0, P - 1, 3], dtype=torch.int32))
     call("rope_", cos_sin_cache=randn(P, 2 * R)[:, :R])  # rows strided, columns contiguous: the kernels take a row stride
+    # a row per head: [P, H, R], its head axis expanded, a table per item or one for all, read through strides
+    call("rope_", k=None, cos_sin_cache=randn(P, HQ, R))
+    call("qk_norm_rope_", k=randn(T, HQ, DH), cos_sin_cache=randn(P, 1, R).expand(P, HQ, R))
+    call("rope_", q=randn(B, T, HQ, DH), k=randn(B, T, HQ, DH), positions=None, cos_sin_cache=randn(1, P, HQ, R))
+    call("rope_", q=randn(B, T, HQ, DH), k=None, positions=None, cos_sin_cache=randn(B, HQ, P, R).transpose(1, 2))
 
 
 # ---- Nothing is written before validation passes.
@@ -382,6 +406,7 @@ BAD_CACHES = {
     "cache-int64": {"cos_sin_cache": torch.ones(P, R, dtype=torch.int64)},
     "cache-column-stride": {"cos_sin_cache": randn(R, P).t()},
     "cache-on-meta": {"cos_sin_cache": meta(P, R)},
+    "head-cache-gqa": {"cos_sin_cache": randn(P, HQ, R)},
 }
 IN_PLACE_FAILURES = [
     *(pytest.param(op, {"positions": torch.tensor([0, 1, 2, 3, P])}, "positions", id=f"{op}-positions-past-cache")

@@ -115,28 +115,31 @@ def quantize_instance(dtype: torch.dtype, fp8_dtype: torch.dtype, gelu: bool, hi
     return Instance("row_quantize.cu", "row_quantize", arguments, block, threads)
 
 
-def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False) -> Instance:
+def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False,
+                    layer: bool = False) -> Instance:
     """The rotary kernel for heads of head_size in one pair layout: a thread per chunk of a head
     (interleaved: its pairs lie in a chunk) or per two chunks (NeoX: a pair's values lie R/2
     apart), in groups as wide as still pack the most heads into a 32-lane segment (rotary.cu).
     Interleaved: 16 lanes for Dh 96 (two heads), 10 for Dh 80 (three); NeoX: 6 (five heads) and
     5 (six). streaming: the instance that stores q and k with the streaming cache hint
-    (_streaming_stores says for which calls)."""
+    (_streaming_stores says for which calls). layer: the LayerNorm instance (qk_norm_rope_'s
+    norm="layer")."""
     settings = _launch_settings()["rotary"]
     chunks = -(-head_size // (CHUNK if interleaved else 2 * CHUNK))  # a lane's share of the head
     threads, block = SEGMENT // (SEGMENT // chunks), settings["block"]
     arguments = (C_TYPES[dtype], "true" if interleaved else "false", threads, block, _rotary_items(interleaved),
-                 "true" if streaming else "false", settings["min_blocks"])
+                 "true" if streaming else "false", settings["min_blocks"], "true" if layer else "false")
     return Instance("rotary.cu", "rotary", arguments, block, threads)
 
 
-def rotary_token_norm_instance(dtype: torch.dtype, interleaved: bool, hidden: int) -> Instance:
-    """The rotary_token_norm kernel (qk_norm_rope_ with norm_over="token") for a token's widest
-    tensor of hidden = H * Dh values: the first launch class with max_hidden >= hidden, a block
-    per token and tensor holding block * items chunks of 8 values."""
+def rotary_token_norm_instance(dtype: torch.dtype, interleaved: bool, hidden: int, layer: bool = False) -> Instance:
+    """The rotary_token_norm kernel (qk_norm_rope_ with norm_over="token"; layer: its LayerNorm
+    instance) for a token's widest tensor of hidden = H * Dh values: the first launch class with
+    max_hidden >= hidden, a block per token and tensor holding block * items chunks of 8 values."""
     for entry in _launch_settings()["rotary_token_norm"]:
         if hidden <= entry["max_hidden"]:
-            arguments = (C_TYPES[dtype], "true" if interleaved else "false", entry["block"], entry["items"])
+            arguments = (C_TYPES[dtype], "true" if interleaved else "false", entry["block"], entry["items"],
+                         "true" if layer else "false")
             return Instance("rotary.cu", "rotary_token_norm", arguments, entry["block"], entry["block"])
     raise ValueError(f"no compiled launch setting for token norms of {hidden}; the registry's max_hidden_size should refuse them")
 
@@ -172,10 +175,12 @@ def all_instances() -> list:
             instances.append(row_instance(kernel, dtype, param_dtype, hidden, affine, fp8_dtype))
         instances += [quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
                       for fp8_dtype, gelu, hidden, prefix in itertools.product(FP8_TYPES, (False, True), rows, (False, True))]
-        instances += [rotary_instance(dtype, head_size, interleaved, streaming)
-                      for head_size, interleaved, streaming in itertools.product(ROTARY_HEAD_SIZES, (False, True), (False, True))]
-        instances += [rotary_token_norm_instance(dtype, interleaved, entry["max_hidden"])
-                      for entry, interleaved in itertools.product(_launch_settings()["rotary_token_norm"], (False, True))]
+        instances += [rotary_instance(dtype, head_size, interleaved, streaming, layer)
+                      for head_size, interleaved, streaming, layer in itertools.product(ROTARY_HEAD_SIZES, (False, True),
+                                                                                         (False, True), (False, True))]
+        instances += [rotary_token_norm_instance(dtype, interleaved, entry["max_hidden"], layer)
+                      for entry, interleaved, layer in itertools.product(_launch_settings()["rotary_token_norm"],
+                                                                         (False, True), (False, True))]
     return list(dict.fromkeys(instances))
 
 
@@ -263,7 +268,7 @@ Binder = Callable[[Instance, int], Callable[[tuple, int], None]]
 
 
 def _weight(t: Optional[torch.Tensor]) -> tuple:
-    """The rotary kernel's Weight struct: its dtype is a run-time value."""
+    """The rotary kernels' Weight struct (a norm weight or bias): its dtype is a run-time value."""
     return (t, DTYPE_CODES[t.dtype]) if t is not None else (None, 0)
 
 
@@ -433,13 +438,15 @@ class CompiledOps:
         return self._gated_add_norm(x, branch, gate, scale, weight, bias, weight2, bias2, norm, eps, gate_act, out, y,
                                     y_scale, static_scale)
 
-    def _rotary(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm):
+    def _rotary(self, q, k, q_weight, k_weight, q_bias, k_bias, cos_sin_cache, positions, interleaved, eps,
+                position_offset, norm):
+        """norm: "rms" or "layer", None for RoPE alone."""
         q_tokens = tokens_of(q)
         q_heads, k_heads = q.shape[-2], (k.shape[-2] if k is not None else 0)
         rows = q_tokens.batch * q_tokens.tokens
         if rows == 0 or q_heads + k_heads == 0 or q.shape[-1] == 0:
             return None
-        instance = rotary_instance(q.dtype, q.shape[-1], interleaved, _streaming_stores(rows))
+        instance = rotary_instance(q.dtype, q.shape[-1], interleaved, _streaming_stores(rows), norm == "layer")
         # As rotary.cu numbers its slots: a token's q slots, then its k slots, `items` heads each.
         items = _rotary_items(interleaved)
         token_slots = (q_heads + items - 1) // items + (k_heads + items - 1) // items
@@ -452,33 +459,36 @@ class CompiledOps:
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
-            (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
-            q_heads, k_heads, q_tokens.tokens, divisor(q_tokens.tokens), divisor(token_slots), rows, q.shape[-1],
-            cos_sin_cache.shape[1], position_offset, float(eps), int(norm),
+            _weight(q_bias), _weight(k_bias), (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)),
+            _integers(positions), q_heads, k_heads, q_tokens.tokens, divisor(q_tokens.tokens), divisor(token_slots), rows,
+            q.shape[-1], cos_sin_cache.shape[1], position_offset, float(eps), int(norm is not None),
         ]
         return CompiledLaunch(instance, (blocks, 1, 1), arguments)
 
-    def _rotary_token_norm(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset):
+    def _rotary_token_norm(self, q, k, q_weight, k_weight, q_bias, k_bias, cos_sin_cache, positions, interleaved, eps,
+                           position_offset, norm):
         q_tokens = tokens_of(q)
         rows = q_tokens.batch * q_tokens.tokens
         if rows == 0:
             return None
-        instance = rotary_token_norm_instance(q.dtype, interleaved, max(q.shape[-2], k.shape[-2]) * q.shape[-1])
+        instance = rotary_token_norm_instance(q.dtype, interleaved, max(q.shape[-2], k.shape[-2]) * q.shape[-1],
+                                              norm == "layer")
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), (k, *tokens_of(k)[2:]), _weight(q_weight), _weight(k_weight),
-            (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)), _integers(positions),
-            q.shape[-2], k.shape[-2], q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[1], position_offset, float(eps),
+            _weight(q_bias), _weight(k_bias), (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)),
+            _integers(positions), q.shape[-2], k.shape[-2], q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[1],
+            position_offset, float(eps),
         ]
         return CompiledLaunch(instance, (rows, 2, 1), arguments)
 
     def qk_norm_rope__launch(self, q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, rotary_dim, eps,
                              position_offset, norm_over, norm, q_bias, k_bias):
-        # RMSNorm only (registry.yaml: norms [rms]), so q_bias and k_bias are None
         if norm_over == "token":
-            return self._rotary_token_norm(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps,
-                                           position_offset)
-        return self._rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset,
-                            norm=True)
+            return self._rotary_token_norm(q, k, q_weight, k_weight, q_bias, k_bias, cos_sin_cache, positions, interleaved,
+                                           eps, position_offset, norm)
+        return self._rotary(q, k, q_weight, k_weight, q_bias, k_bias, cos_sin_cache, positions, interleaved, eps,
+                            position_offset, norm)
 
     def rope__launch(self, q, k, cos_sin_cache, positions, interleaved, rotary_dim, position_offset):
-        return self._rotary(q, k, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset, norm=False)
+        return self._rotary(q, k, None, None, None, None, cos_sin_cache, positions, interleaved, 0.0, position_offset,
+                            norm=None)

@@ -96,9 +96,17 @@ def _rotate(v, cos, sin, interleaved):
 
 
 def _angles(q, cos_sin_cache, positions, position_offset):
-    rows = cos_sin_cache[positions] if positions is not None else cos_sin_cache[position_offset : position_offset + q.shape[-3]]
+    """cos and sin per token as models take them from their tables: the tokens' rows (a slice,
+    or the rows at positions), a [P, R] row broadcast over the heads or a [P, H, R] row per head
+    ([B, P, H, R]: a table per batch item, or one for every item)."""
+    if positions is None:
+        rows = cos_sin_cache.narrow(0 if cos_sin_cache.dim() == 2 else -3, position_offset, q.shape[-3])
+    elif cos_sin_cache.dim() == 4:
+        rows = torch.take_along_dim(cos_sin_cache, torch.atleast_2d(positions.long())[..., None, None], dim=1)
+    else:
+        rows = cos_sin_cache[positions]
     cos, sin = rows.chunk(2, dim=-1)
-    return cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (cos.unsqueeze(-2), sin.unsqueeze(-2)) if cos_sin_cache.dim() == 2 else (cos, sin)
 
 
 def rope_(q, k, cos_sin_cache, positions=None, interleaved=True, rotary_dim=None, position_offset=0):
@@ -213,7 +221,8 @@ def liger(op: str, arguments: dict) -> Optional[Callable]:
         bias = bias if bias is not None else torch.zeros(hidden, device=x.device, dtype=x.dtype)
         scale, shift = _per_token(scale, x), _per_token(shift, x)
         return lambda: (functional.liger_layer_norm(x, weight, bias, 1e-6) * (1 + scale) + shift).to(x.dtype)
-    if op == "rope_" and not arguments.get("interleaved", True) and arguments["q"].dim() == 3:
+    if (op == "rope_" and not arguments.get("interleaved", True) and arguments["q"].dim() == 3
+            and arguments["cos_sin_cache"].dim() == 2):  # liger's tables have no head axis
         q, k, cache, positions = arguments["q"], arguments["k"], arguments["cos_sin_cache"], arguments.get("positions")
         cos, sin = (half.repeat(1, 2) for half in cache.chunk(2, dim=-1))  # NeoX: full-width cos/sin
         cos, sin = (table[positions].unsqueeze(0) for table in (cos, sin)) if positions is not None else (cos, sin)

@@ -65,12 +65,14 @@ def _distinct_bytes(t: Optional[torch.Tensor]) -> int:
 def minimum_bytes(op: str, arguments: dict) -> int:
     """The fewest bytes ``op`` must move: each distinct input element read once, each output
     written once. The RoPE ops read and write q and k, and read one cache row per distinct
-    position (one per token when positions is None)."""
+    position (one per token when positions is None), a row of every head's values where the
+    cache has a row per head."""
     if SPECS[op].inputs is HeadSpec:
         q, k, cache, positions = arguments["q"], arguments.get("k"), arguments["cos_sin_cache"], arguments.get("positions")
         tokens = q.shape[:-2].numel()
-        rows = tokens if positions is None else min(positions.numel(), cache.shape[0])
-        total = 2 * (_distinct_bytes(q) + _distinct_bytes(k)) + rows * cache.shape[1] * cache.element_size()
+        row = cache.shape[-1] * (cache.shape[-2] if cache.dim() > 2 else 1)  # values per position
+        rows = tokens if positions is None else min(positions.numel(), cache.numel() // row)
+        total = 2 * (_distinct_bytes(q) + _distinct_bytes(k)) + rows * row * cache.element_size()
         total += _distinct_bytes(positions)
         weights = (arguments.get("q_weight"), arguments.get("k_weight"))
         return total + sum(_distinct_bytes(w) for w in weights)

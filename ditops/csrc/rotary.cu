@@ -1,11 +1,12 @@
-// Ops 5 and 6, in place: per token and head, optionally RMSNorm over the head (q_weight or
-// k_weight), then RoPE on the first R dims; `rotary_token_norm` at the end: qk_norm_rope_'s
-// norm_over="token", one RMSNorm over all heads of a token.
+// Ops 5 and 6, in place: per token and head, optionally RMSNorm or LayerNorm over the head
+// (q_weight or k_weight; LayerNorm also q_bias or k_bias), then RoPE on the first R dims;
+// `rotary_token_norm` at the end: qk_norm_rope_'s norm_over="token", one norm over all heads
+// of a token.
 //
 // A head is held by HEAD_THREADS consecutive lanes, each holding whole rotated pairs (see
 // `kLaneChunks` below): one chunk of 8 values a lane for interleaved pairs (at least Dh / 8
 // lanes), two for NeoX pairs (at least Dh / 16), so no lane exchanges values but for the
-// norm's sum; lanes past Dh idle. A head never straddles a 32-lane segment: a segment holds
+// norm's sums; lanes past Dh idle. A head never straddles a 32-lane segment: a segment holds
 // 32 / HEAD_THREADS heads' lanes, its slots. The launch code picks the widest HEAD_THREADS
 // that packs as many heads per segment as the fewest lanes would, so few instances serve
 // every Dh at no cost in lanes. A slot takes up to ITEMS heads of one token
@@ -26,7 +27,8 @@ struct Heads {
     long long token_stride;
 };
 
-// A [Dh] RMSNorm weight of any dtype, or nothing (data == nullptr).
+// A norm weight or bias ([Dh], or [H * Dh] for the token norm) of any dtype, or nothing
+// (data == nullptr).
 struct Weight {
     const void* data;
     long long dtype;
@@ -61,9 +63,12 @@ __device__ inline void rotate_neox(float (&a)[kChunk], float (&b)[kChunk], const
 
 // STREAMING: q and k stored with the streaming cache hint (a template flag: chosen at run time
 // per store, it made the float16 instances spill on sm_90). MIN_BLOCKS: the launch table's.
-template <typename T, bool INTERLEAVED, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS>
+// LAYER: LayerNorm rather than RMSNorm (qk_norm_rope_'s norm="layer"; `norm` is then set), a
+// template flag so that the RMSNorm and RoPE-only calls keep their code and registers: its
+// means and biases are held beside the weights.
+template <typename T, bool INTERLEAVED, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS, bool LAYER>
 __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
-    Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
+    Heads q, Heads k, Weight q_weight, Weight k_weight, Weight q_bias, Weight k_bias, CosSinCache cache, Integers positions,
     long long q_heads, long long k_heads, long long tokens, Divisor by_tokens, Divisor by_token_slots, long long rows,
     long long head_size, long long rotary_dim, long long position_offset, float eps, long long norm) {
     constexpr int kSegmentHeads = kSegment / HEAD_THREADS;
@@ -135,20 +140,36 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
             load_chunk_of_dtype(cos_row, cache.dtype, half + a, s);
         }
     }
-    // The tensor's norm weight of each chunk, or ones where it has none (x * 1 is exact).
-    const Weight weight = in_q ? q_weight : k_weight;
-    float w[kLaneChunks][kChunk];
+    // The tensor's norm weight of each chunk, or ones where it has none (x * 1 is exact), and with
+    // LAYER its bias, or -0 where it has none (x + -0 is x, also for x = -0, which + 0 makes +0).
+    const Weight weight = in_q ? q_weight : k_weight, bias = in_q ? q_bias : k_bias;
+    float w[kLaneChunks][kChunk], b[kLaneChunks][kChunk];
 #pragma unroll
     for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) w[j][e] = 1.0f;
+        for (int e = 0; e < kChunk; ++e) w[j][e] = 1.0f, b[j][e] = -0.0f;
         if (norm && has[j] && weight.data) load_chunk_of_dtype(weight.data, weight.dtype, column[j], w[j]);
+        if (LAYER && has[j] && bias.data) load_chunk_of_dtype(bias.data, bias.dtype, column[j], b[j]);
     }
 
     // The norm: the sums of squares of this thread's heads reduced together (lane_group_sums:
-    // their lane exchanges overlap), then each head normalised in its turn below.
-    float inverse_rms[ITEMS];
+    // their lane exchanges overlap), then each head normalised in its turn below. LayerNorm
+    // first reduces the sums for the means, then squares the values less their mean.
+    float mean[ITEMS] = {}, inverse_rms[ITEMS];
     if (norm) {
+        if constexpr (LAYER) {
+#pragma unroll
+            for (int item = 0; item < ITEMS; ++item) {
+#pragma unroll
+                for (int j = 0; j < kLaneChunks; ++j) {
+#pragma unroll
+                    for (int e = 0; e < kChunk; ++e) mean[item] += word_element<T>(words[item][j], e);
+                }
+            }
+            lane_group_sums<HEAD_THREADS>(mean, member);
+#pragma unroll
+            for (int item = 0; item < ITEMS; ++item) mean[item] /= head_size;
+        }
 #pragma unroll
         for (int item = 0; item < ITEMS; ++item) {
             inverse_rms[item] = 0.0f;
@@ -156,7 +177,9 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
             for (int j = 0; j < kLaneChunks; ++j) {
 #pragma unroll
                 for (int e = 0; e < kChunk; ++e) {
-                    const float value = word_element<T>(words[item][j], e);
+                    float value = word_element<T>(words[item][j], e);
+                    // chunks past Dh (and idle lanes) hold zeros, which less the mean would add mean^2
+                    if constexpr (LAYER) value = has[j] ? value - mean[item] : 0.0f;
                     inverse_rms[item] += value * value;
                 }
             }
@@ -182,7 +205,8 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
 #pragma unroll
             for (int e = 0; e < kChunk; ++e) {
                 v[j][e] = word_element<T>(words[item][j], e);
-                if (norm) v[j][e] = v[j][e] * inverse_rms[item] * w[j][e];
+                if constexpr (LAYER) v[j][e] = (v[j][e] - mean[item]) * inverse_rms[item] * w[j][e] + b[j][e];
+                else if (norm) v[j][e] = v[j][e] * inverse_rms[item] * w[j][e];
             }
         }
         if constexpr (INTERLEAVED) {
@@ -199,18 +223,21 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
     }
 }
 
-// qk_norm_rope_ with norm_over="token": one RMSNorm over all H * Dh values of a token's q (or
-// k), weights [H * Dh], then RoPE per head. A block per token and tensor (grid: B * S, 2; y 0
-// is q, 1 is k), whose BLOCK threads reduce the token's squares together (group_sum). Unit u
-// of the block (thread u % BLOCK, item u / BLOCK) is lane u % head_units of head u / head_units,
-// its chunks laid out as a lane of the per-head kernel above (one chunk interleaved, two NeoX),
-// so BLOCK * ITEMS * 8 >= H * Dh (the launch table's classes, the registry's max_hidden_size).
-// The chunks stay as loaded until the sum is known; cos/sin and the weight are read after it.
-template <typename T, bool INTERLEAVED, int BLOCK, int ITEMS>
+// qk_norm_rope_ with norm_over="token": one RMSNorm (LAYER: LayerNorm) over all H * Dh values
+// of a token's q (or k), weights and biases [H * Dh], then RoPE per head. A block per token and
+// tensor (grid: B * S, 2; y 0 is q, 1 is k), whose BLOCK threads reduce the token's sums
+// together (group_sum). Unit u of the block (thread u % BLOCK, item u / BLOCK) is lane u %
+// head_units of head u / head_units, its chunks laid out as a lane of the per-head kernel above
+// (one chunk interleaved, two NeoX), so BLOCK * ITEMS * 8 >= H * Dh (the launch table's classes,
+// the registry's max_hidden_size). The chunks stay as loaded until the sums are known; cos/sin,
+// the weight and the bias are read after them. LAYER is a compile-time flag, as in the per-head
+// kernel: as a run-time one, the LayerNorm pass and the bias loads took the RMSNorm calls' kernel
+// from 98 to 122 registers (bfloat16, NeoX, 64 threads x 3 items, sm_90).
+template <typename T, bool INTERLEAVED, int BLOCK, int ITEMS, bool LAYER>
 __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
-    Heads q, Heads k, Weight q_weight, Weight k_weight, CosSinCache cache, Integers positions,
-    long long q_heads, long long k_heads, long long tokens, long long head_size, long long rotary_dim,
-    long long position_offset, float eps) {
+    Heads q, Heads k, Weight q_weight, Weight k_weight, Weight q_bias, Weight k_bias, CosSinCache cache,
+    Integers positions, long long q_heads, long long k_heads, long long tokens, long long head_size,
+    long long rotary_dim, long long position_offset, float eps) {
     const bool in_q = blockIdx.y == 0;
     const long long row = blockIdx.x, batch = row / tokens, token = row - batch * tokens;
     const Heads tensor = in_q ? q : k;
@@ -225,7 +252,7 @@ __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
     uint4 words[ITEMS][kLaneChunks][kWords];
     int head[ITEMS], column[ITEMS][2];
     bool has[ITEMS][2];
-    float squares = 0.0f;
+    float sum = 0.0f, squares = 0.0f;
 #pragma unroll
     for (int item = 0; item < ITEMS; ++item) {
         const int unit = item * BLOCK + static_cast<int>(threadIdx.x);
@@ -246,15 +273,35 @@ __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
 #pragma unroll
             for (int e = 0; e < kChunk; ++e) {
                 const float value = word_element<T>(words[item][j], e);
-                squares += value * value;
+                if constexpr (LAYER) sum += value;
+                else squares += value * value;
             }
         }
     }
-    const float inverse_rms = rsqrtf(group_sum<BLOCK, BLOCK>(squares) / static_cast<float>(heads * head_size) + eps);
+    // LayerNorm: the mean, then the squares of the values less it, over the chunks that hold
+    // values (the others hold zeros, which less the mean would add mean^2).
+    const float count = static_cast<float>(heads * head_size);
+    float mean = 0.0f;
+    if constexpr (LAYER) {
+        mean = group_sum<BLOCK, BLOCK>(sum) / count;
+#pragma unroll
+        for (int item = 0; item < ITEMS; ++item) {
+#pragma unroll
+            for (int j = 0; j < kLaneChunks; ++j) {
+                if (!has[item][j]) continue;
+#pragma unroll
+                for (int e = 0; e < kChunk; ++e) {
+                    const float centred = word_element<T>(words[item][j], e) - mean;
+                    squares += centred * centred;
+                }
+            }
+        }
+    }
+    const float inverse_rms = rsqrtf(group_sum<BLOCK, BLOCK>(squares) / count + eps);
 
     const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;
     const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
-    const Weight weight = in_q ? q_weight : k_weight;
+    const Weight weight = in_q ? q_weight : k_weight, bias = in_q ? q_bias : k_bias;
 #pragma unroll
     for (int item = 0; item < ITEMS; ++item) {
         if (!has[item][0]) continue;
@@ -273,12 +320,17 @@ __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
         float v[kLaneChunks][kChunk];
 #pragma unroll
         for (int j = 0; j < kLaneChunks; ++j) {
-            float w[kChunk];
+            float w[kChunk], b[kChunk];
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) w[e] = 1.0f;  // no weight: x * 1 is exact
+            for (int e = 0; e < kChunk; ++e) w[e] = 1.0f, b[e] = -0.0f;  // none: x * 1 and x + -0 are x (+ 0 is not, for -0)
             if (has[item][j] && weight.data) load_chunk_of_dtype(weight.data, weight.dtype, head[item] * head_size + column[item][j], w);
+            if (LAYER && has[item][j] && bias.data) load_chunk_of_dtype(bias.data, bias.dtype, head[item] * head_size + column[item][j], b);
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) v[j][e] = word_element<T>(words[item][j], e) * inverse_rms * w[e];
+            for (int e = 0; e < kChunk; ++e) {
+                const float value = word_element<T>(words[item][j], e);
+                if constexpr (LAYER) v[j][e] = (value - mean) * inverse_rms * w[e] + b[e];
+                else v[j][e] = value * inverse_rms * w[e];
+            }
         }
         if constexpr (INTERLEAVED) {
             if (a < rotary_dim) rotate_interleaved(v[0], c, s);

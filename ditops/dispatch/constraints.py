@@ -129,6 +129,11 @@ def norms(wanted: list, f: Features) -> Reason:
         return f"supports norm in {wanted}, got {f.norm!r}"
 
 
+def rope_caches(wanted: list, f: Features) -> Reason:
+    if f.rope_cache and f.rope_cache not in wanted:
+        return f"supports cos/sin cache forms {wanted} ([P, R]: one row for every head), got {f.rope_cache!r}"
+
+
 def modulation(wanted: list, f: Features) -> Reason:
     refused = sorted(set(form for form in f.modulation if form not in wanted))
     if refused:
@@ -209,6 +214,7 @@ CHECKS: dict = {
         max_head_size,
         full_rotary,
         norms,
+        rope_caches,
         modulation,
         layouts,
         autograd,
@@ -285,6 +291,7 @@ VALUE_TYPES: dict = {
     "max_head_size": _SIZE,
     "full_rotary": _BOOLEAN,
     "norms": ("a list of norms among layer, rms", _names_from("layer", "rms")),
+    "rope_caches": ("a list of cos/sin cache forms among shared, per_head", _names_from("shared", "per_head")),
     "modulation": ("a list of modulation forms among scalar, vector, batch, token, frame, table",
                    _names_from("scalar", "vector", "batch", "token", "frame", "table")),
     "layouts": ("a list of RoPE layouts among interleaved, neox", _names_from("interleaved", "neox")),

@@ -34,6 +34,7 @@ class Features(NamedTuple):
     out_dtype: Optional[torch.dtype] = None  # the FP8 format of an *_fp8 op's output; None: outputs like x
     out_dtype_native: bool = True  # the device's hardware has that format (registry.yaml: fp8_formats)
     prefix_size: int = 0  # P of quantize_fp8's prefix, whose P columns come before x's D in each row; 0: none
+    rope_cache: str = ""  # the RoPE ops' cos/sin cache: "shared" ([P, R]) or "per_head" (a row per head); "" for the norm ops
 
 
 def describe(
@@ -50,6 +51,7 @@ def describe(
     out_dtype: Optional[torch.dtype] = None,
     out_dtype_native: bool = True,
     prefix_size: int = 0,
+    rope_cache: str = "",
 ) -> Features:
     """Features of a call; ``params`` may hold None for absent optional tensors."""
     # This runs on every eager call: each tensor attribute is read once, in one loop.
@@ -103,5 +105,6 @@ def describe(
         out_dtype,
         out_dtype_native,
         prefix_size,
+        rope_cache,
     )
     return tuple.__new__(Features, fields)  # skips NamedTuple.__new__'s keyword handling: 3x faster

@@ -307,6 +307,8 @@ def describe_features(f: Features) -> str:
         parts.append(f"norm={f.norm}")
     if f.head_size:
         parts.append(f"Dh={f.head_size}, R={f.rotary_dim}, {'interleaved' if f.interleaved else 'neox'}")
+        if f.rope_cache == "per_head":
+            parts.append("a cos/sin cache per head")
         if f.norm:  # qk_norm_rope_'s
             parts.append(f"norm={f.norm}")
     if f.modulation:

@@ -339,13 +339,19 @@ def add_gate_norm_scale_fp8(x, branch, gate, scale, weight=None, bias=None, weig
 
 
 def _rope_angles(q: Tensor, cos_sin_cache: Tensor, positions: Optional[Tensor], position_offset: int, dtype):
-    """cos and sin for each token of q, shaped [..., 1, R/2] to broadcast over heads."""
+    """cos and sin for each token of q: [..., 1, R/2] from a [P, R] cache (every head alike),
+    [..., H, R/2] from a cache with a row per head, [P, H, R] or [B, P, H, R] (item b's table,
+    or the one table where B is 1); each broadcasts against q's [..., H, R/2]."""
     if positions is None:
         tokens = q.shape[-3]
         positions = torch.arange(position_offset, position_offset + tokens, device=q.device)
-    rows = cos_sin_cache.to(dtype)[positions.long()]  # [..., R]
+    cache = cos_sin_cache.to(dtype)
+    if cache.dim() == 4:  # q is [B, S, H, Dh]; positions [B, S] or [S]
+        rows = torch.take_along_dim(cache, torch.atleast_2d(positions.long())[..., None, None], dim=1)  # [B, S, H, R]
+    else:
+        rows = cache[positions.long()]  # [..., R] or [..., H, R]
     cos, sin = rows.chunk(2, dim=-1)
-    return cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (cos.unsqueeze(-2), sin.unsqueeze(-2)) if cache.dim() == 2 else (cos, sin)
 
 
 def _rotate(v: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
@@ -369,7 +375,8 @@ def qk_norm_rope_(
     over Dh (weights [Dh]), then RoPE on the first R dims.
 
     q: [T, Hq, Dh] or [B, S, Hq, Dh]; k: same leading dims, Hk heads; cos_sin_cache: [P, R]
-    (R/2 cos then R/2 sin columns); positions: q's leading shape, or None for
+    (R/2 cos then R/2 sin columns), or a row per head, [P, H, R] or [B, P, H, R] (H = Hq =
+    Hk; a table per batch item, or B = 1 for all); positions: q's leading shape, or None for
     position_offset + token index. norm_over="token": one norm over each token's H * Dh
     values (weights and biases [H * Dh]), the RoPE still per head. No rounding between norm
     and RoPE. Returns (q, k).

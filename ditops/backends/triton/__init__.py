@@ -225,6 +225,16 @@ def add_gate_norm_scale_fp8_launch(x, branch, gate, scale, weight, bias, weight2
                            static_scale)
 
 
+def _cache_strides(cache: torch.Tensor) -> tuple:
+    """(batch, position, head) strides of a cos/sin cache: [P, R] (0, row, 0), [P, H, R] (0, row,
+    head) or [B, P, H, R], whose batch stride is 0 where B is 1 (one table for every item)."""
+    if cache.dim() == 2:
+        return 0, cache.stride(0), 0
+    if cache.dim() == 3:
+        return 0, cache.stride(0), cache.stride(1)
+    return cache.stride(0) if cache.shape[0] > 1 else 0, cache.stride(1), cache.stride(2)
+
+
 def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps, position_offset, norm, q_out, k_out,
             token_norm=False, q_bias=None, k_bias=None):
     """norm: None (rope_), "rms" or "layer"."""
@@ -234,7 +244,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     _, _, k_batch_stride, k_token_stride = tokens_of(k) if k is not None else (0, 0, 0, 0)
     _, _, q_out_batch_stride, q_out_token_stride = tokens_of(q_out)
     _, _, k_out_batch_stride, k_out_token_stride = tokens_of(k_out) if k is not None else (0, 0, 0, 0)
-    head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[1]
+    head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[-1]
     launch = rotary_launch(head_size, rotary_dim, q.shape[-2], k.shape[-2] if k is not None else 0, q.element_size(),
                            batch * tokens, settings_of(q), token_norm)
     positions_batch_stride, positions_token_stride = _token_strides(positions) if positions is not None else (0, 0)
@@ -244,13 +254,14 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
         q_out, q_out_batch_stride, q_out_token_stride,
         k_out, k_out_batch_stride, k_out_token_stride,
         q_weight, k_weight, q_bias, k_bias,
-        cos_sin_cache, cos_sin_cache.stride(0),
+        cos_sin_cache, *_cache_strides(cos_sin_cache),
         positions, positions_batch_stride, positions_token_stride, position_offset,
         tokens, head_size, rotary_dim, eps,
     ), dict(
         NORM=norm is not None, TOKEN_NORM=token_norm, HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
         LAYER=norm == "layer", HAS_Q_BIAS=q_bias is not None, HAS_K_BIAS=k_bias is not None,
         INTERLEAVED=interleaved, HAS_K=k is not None, HAS_POSITIONS=positions is not None,
+        HEAD_CACHE=cos_sin_cache.dim() > 2,
         Q_BLOCK_HEADS=launch.q_block_heads, K_BLOCK_HEADS=launch.k_block_heads,
         HALF_HEAD=launch.half_head, HALF_TAIL=launch.half_tail, BLOCK_REST=launch.block_rest, SPLIT=launch.split,
         STORE_EVICTION=launch.store_eviction,

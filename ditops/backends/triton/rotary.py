@@ -23,7 +23,12 @@ With TOKEN_NORM (qk_norm_rope_'s norm_over="token") the RMS runs over all heads 
 the launch puts a tensor's heads in one block, so the loop makes one pass and the sum of the
 block's squares is the token's. LAYER (norm="layer") subtracts the mean first, from the values
 held (the masked lanes stay zero, so the squares count only real values), and adds the biases
-after the weights."""
+after the weights.
+A cache with a row per head (HEAD_CACHE: [P, H, R], [B, P, H, R]; LTX-2's tables) is read per
+head block, a [heads, pairs] tile of cos and sin beside the head tile, through the cache's batch,
+position and head strides (a batch stride of 0: one table for every item). A shared [P, R] cache
+keeps its one [1, pairs] load per token, broadcast over the heads: a head stride of 0 would make
+it the same code path, but one that loads each head block's rows again."""
 
 import triton
 import triton.language as tl
@@ -45,11 +50,13 @@ def _load_pairs(row, head_mask, first, half, rotary_dim, WIDTH: tl.constexpr, IN
 
 
 @triton.jit
-def _cos_sin(cache_row, first, half, WIDTH: tl.constexpr):
-    """The cos and sin of the pairs [first, first + WIDTH) at a position, in float32."""
+def _cos_sin(cache_row, mask, first, half, WIDTH: tl.constexpr):
+    """The cos and sin of the pairs [first, first + WIDTH) at a position, in float32 (cache_row:
+    one row, or a row per head where mask masks the heads past the last)."""
     pair = first + tl.arange(0, WIDTH)[None, :]
-    cos = tl.load(cache_row + pair, mask=pair < half, other=0.0).to(tl.float32)
-    sin = tl.load(cache_row + half + pair, mask=pair < half, other=0.0).to(tl.float32)
+    in_pair = mask & (pair < half)
+    cos = tl.load(cache_row + pair, mask=in_pair, other=0.0).to(tl.float32)
+    sin = tl.load(cache_row + half + pair, mask=in_pair, other=0.0).to(tl.float32)
     return cos, sin
 
 
@@ -96,14 +103,17 @@ def _store_pairs(out, head_mask, x1, x2, cos, sin, first, half, rotary_dim, WIDT
 
 @triton.jit
 def _rotate_heads(
-    base, target, head_stride, heads, weight, bias, cos_h, sin_h, cos_t, sin_t, head_size, rotary_dim, eps,
+    base, target, head_stride, heads, weight, bias, cos_h, sin_h, cos_t, sin_t, cache_row, cache_head_stride,
+    head_size, rotary_dim, eps,
     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_REST: tl.constexpr,
     EVICTION: tl.constexpr, TOKEN_NORM: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HEAD_CACHE: tl.constexpr,
 ):
     """TOKEN_NORM: one norm over all the token's heads, which the launch puts in one block (one
     pass of the loop below), with a weight (and bias) row per head; else one per head, one [Dh]
-    weight (and bias)."""
+    weight (and bias). HEAD_CACHE: each head block's cos/sin from its rows at cache_row (cos_h ...
+    sin_t unused), else the token's (cos_h, sin_h: the pairs' head tile; cos_t, sin_t: their tail)."""
     half = rotary_dim // 2
     rest = rotary_dim + tl.arange(0, BLOCK_REST)[None, :]
     for first_head in range(0, heads, BLOCK_HEADS):
@@ -112,6 +122,12 @@ def _rotate_heads(
         row = base + head * head_stride
         out = target + head * head_stride
         rest_mask = head_mask & (rest < head_size)
+        head_cos, head_sin, tail_cos, tail_sin = cos_h, sin_h, cos_t, sin_t
+        if HEAD_CACHE:
+            head_rows = cache_row + head * cache_head_stride
+            head_cos, head_sin = _cos_sin(head_rows, head_mask, 0, half, HALF_HEAD)
+            if HALF_TAIL > 0:
+                tail_cos, tail_sin = _cos_sin(head_rows, head_mask, HALF_HEAD, half, HALF_TAIL)
         a1, a2 = _load_pairs(row, head_mask, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED)
         if HALF_TAIL > 0:
             b1, b2 = _load_pairs(row, head_mask, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED)
@@ -161,9 +177,10 @@ def _rotate_heads(
                     b1, b2 = b1 + c1, b2 + c2
                 tail = tail + tl.load(head_bias + rest, mask=weight_mask & (rest < head_size), other=0.0).to(tl.float32)
             tl.store(out + rest, tail.to(target.dtype.element_ty), mask=rest_mask, eviction_policy=EVICTION)
-        _store_pairs(out, head_mask, a1, a2, cos_h, sin_h, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED, EVICTION)
+        _store_pairs(out, head_mask, a1, a2, head_cos, head_sin, 0, half, rotary_dim, HALF_HEAD, INTERLEAVED, EVICTION)
         if HALF_TAIL > 0:
-            _store_pairs(out, head_mask, b1, b2, cos_t, sin_t, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED, EVICTION)
+            _store_pairs(out, head_mask, b1, b2, tail_cos, tail_sin, HALF_HEAD, half, rotary_dim, HALF_TAIL, INTERLEAVED,
+                         EVICTION)
 
 
 @triton.jit
@@ -173,12 +190,12 @@ def rotary_kernel(
     q_out, q_out_batch_stride, q_out_token_stride,
     k_out, k_out_batch_stride, k_out_token_stride,
     q_weight, k_weight, q_bias, k_bias,
-    cache, cache_row_stride,
+    cache, cache_batch_stride, cache_row_stride, cache_head_stride,
     positions, positions_batch_stride, positions_token_stride, position_offset,
     tokens, head_size, rotary_dim, eps,
     NORM: tl.constexpr, TOKEN_NORM: tl.constexpr, HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr,
     LAYER: tl.constexpr, HAS_Q_BIAS: tl.constexpr, HAS_K_BIAS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr, HAS_POSITIONS: tl.constexpr, HEAD_CACHE: tl.constexpr,
     Q_BLOCK_HEADS: tl.constexpr, K_BLOCK_HEADS: tl.constexpr, HALF_HEAD: tl.constexpr, HALF_TAIL: tl.constexpr,
     BLOCK_REST: tl.constexpr, SPLIT: tl.constexpr, STORE_EVICTION: tl.constexpr,
 ):
@@ -191,10 +208,14 @@ def rotary_kernel(
         position = token + position_offset
     half = rotary_dim // 2
     cache_row = cache + position * cache_row_stride
-    cos_h, sin_h = _cos_sin(cache_row, 0, half, HALF_HEAD)
-    cos_t, sin_t = cos_h, sin_h
-    if HALF_TAIL > 0:
-        cos_t, sin_t = _cos_sin(cache_row, HALF_HEAD, half, HALF_TAIL)
+    if HEAD_CACHE:  # _rotate_heads loads each head block's rows
+        cache_row += batch * cache_batch_stride
+        cos_h, sin_h, cos_t, sin_t = 0.0, 0.0, 0.0, 0.0
+    else:
+        cos_h, sin_h = _cos_sin(cache_row, True, 0, half, HALF_HEAD)
+        cos_t, sin_t = cos_h, sin_h
+        if HALF_TAIL > 0:
+            cos_t, sin_t = _cos_sin(cache_row, True, HALF_HEAD, half, HALF_TAIL)
     q_row = q + batch * q_batch_stride + token * q_token_stride
     q_target = q_out + batch * q_out_batch_stride + token * q_out_token_stride
     if HAS_K:
@@ -202,18 +223,18 @@ def rotary_kernel(
         k_target = k_out + batch * k_out_batch_stride + token * k_out_token_stride
     if SPLIT:  # (tokens, 2) programs; the launch code splits only calls with k
         if tl.program_id(1) == 0:
-            _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, q_bias, cos_h, sin_h, cos_t, sin_t, head_size,
-                          rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL,
-                          BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_Q_BIAS)
+            _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, q_bias, cos_h, sin_h, cos_t, sin_t, cache_row,
+                          cache_head_stride, head_size, rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS,
+                          HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_Q_BIAS, HEAD_CACHE)
         else:
-            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, k_bias, cos_h, sin_h, cos_t, sin_t, head_size,
-                          rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL,
-                          BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_K_BIAS)
+            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, k_bias, cos_h, sin_h, cos_t, sin_t, cache_row,
+                          cache_head_stride, head_size, rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS,
+                          HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_K_BIAS, HEAD_CACHE)
     else:
-        _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, q_bias, cos_h, sin_h, cos_t, sin_t, head_size,
-                      rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS, HALF_HEAD, HALF_TAIL, BLOCK_REST,
-                      STORE_EVICTION, TOKEN_NORM, LAYER, HAS_Q_BIAS)
+        _rotate_heads(q_row, q_target, head_size, q_heads, q_weight, q_bias, cos_h, sin_h, cos_t, sin_t, cache_row,
+                      cache_head_stride, head_size, rotary_dim, eps, NORM, HAS_Q_WEIGHT, INTERLEAVED, Q_BLOCK_HEADS,
+                      HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_Q_BIAS, HEAD_CACHE)
         if HAS_K:
-            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, k_bias, cos_h, sin_h, cos_t, sin_t, head_size,
-                          rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS, HALF_HEAD, HALF_TAIL,
-                          BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_K_BIAS)
+            _rotate_heads(k_row, k_target, head_size, k_heads, k_weight, k_bias, cos_h, sin_h, cos_t, sin_t, cache_row,
+                          cache_head_stride, head_size, rotary_dim, eps, NORM, HAS_K_WEIGHT, INTERLEAVED, K_BLOCK_HEADS,
+                          HALF_HEAD, HALF_TAIL, BLOCK_REST, STORE_EVICTION, TOKEN_NORM, LAYER, HAS_K_BIAS, HEAD_CACHE)

@@ -18,17 +18,20 @@ token (per-token timesteps), both forms the ops take.
   cross-attention, then ``norm2``" -> ``residual_norm_scale_shift``. The self-attention's gated
   residual feeds the cross-attention unnormalised and stays as diffusers wrote it.
 - The attentions called with rotary tables (self-attentions; LTX-2's audio-video attentions,
-  whose query and key have tables of their own): the RoPE -> ``rope_``. The tables span all
-  heads (each head has its own frequencies) and each batch item: with the heads folded into
-  the token axis, q and k are rows [B * S * H, 1, Dh] and the cache has one row per (item,
-  token, head). Interleaved tables pair neighbouring dims; LTX-2's ``rope_type="split"`` tables
-  ([B, H, S, Dh / 2]) rotate the two halves of each head (NeoX). Under context parallelism the
-  plan splits the ``rope`` outputs with the hidden states, so the rows are this shard's
-  (LTX-Video; diffusers 0.42.1's own context parallelism fails on LTX-2, with or without ditops).
-  The q/k RMSNorm (over all heads together, not per head as ``qk_norm_rope_`` computes) stays
-  diffusers' ``norm_q`` / ``norm_k``. Calls with a mask, with STG perturbation, or with tables
-  of another shape go to diffusers' processor, and so do calls under torch.compile (the tables'
-  conversion into rope_'s cache costs more there than the fused RoPE saves).
+  whose query and key have tables of their own). The tables span all heads (each head has its
+  own frequencies) and each batch item: they become a cos/sin cache with a row per head,
+  [B, S, H, Dh] (docs/ops.md). Interleaved tables pair neighbouring dims; LTX-2's
+  ``rope_type="split"`` tables ([B, H, S, Dh / 2] views of token-major memory) rotate the two
+  halves of each head (NeoX). A self-attention's q/k RMSNorm over all heads of a token (diffusers'
+  ``norm_q`` / ``norm_k``, ``torch.nn.RMSNorm``) and its RoPE -> one
+  ``qk_norm_rope_(norm_over="token")``: q and k share the tokens and the table. An audio-video
+  attention's q and k are of two streams (other tokens, a table each): ``norm_q`` / ``norm_k``
+  stay diffusers', the RoPE -> ``rope_`` on q and on k. So does a self-attention's where its
+  norms are not RMSNorms of one eps over all of a token's heads, or have a hook. Under context
+  parallelism the plan splits the ``rope`` outputs with the hidden states, so the rows are this
+  shard's (LTX-Video; diffusers 0.42.1's own context parallelism fails on LTX-2, with or without
+  ditops). Calls with a mask, with STG perturbation, or with tables of another shape go to
+  diffusers' processor, and so do calls under torch.compile (``LTXRopeProcessor.fits`` says why).
 
 With ``quantize="fp8"`` (quantize.py) a block's norms give FP8 rows (``norm_scale_shift_fp8``,
 ``residual_norm_scale_shift_fp8``) to the Linears that take their output, now FP8: q/k/v of the
@@ -42,9 +45,9 @@ feed gets a ditops processor, else bf16 (the report says why). Self-quantising (
 ``quantize_fp8`` each): the text keys and values (the prompt, no norm's output), the attention
 outputs, LTX-Video's text query (its cross-attention reads the residual stream unnormalised)
 and the model-level Linears (quantize.replace_rest). Under torch.compile the rotary attentions
-given FP8 rows stay ditops' with diffusers' RoPE code, so that their projections still take the
-rows; calls that go to diffusers' processor (a mask on a rotary attention, STG perturbation) get
-the rows dequantised.
+given FP8 rows stay ditops' with diffusers' q/k norm and RoPE code, so that their projections
+still take the rows; calls that go to diffusers' processor (a mask on a rotary attention, STG
+perturbation) get the rows dequantised.
 
 Left as diffusers wrote them: the text cross-attentions (q/k RMSNorm without RoPE; on LTX-2 with
 FP8 rows, diffusers' code in ditops' processor), the FFNs' gated adds (no norm follows them in
@@ -218,16 +221,29 @@ def _table_fits(table, rope_type, batch, tokens, width, head_dim) -> bool:
     return all(tuple(t.shape) == wanted for t in table)
 
 
-def _cache(table, rope_type, head_dim) -> torch.Tensor:
-    """(cos, sin) as rope_'s cache, one row per (item, token, head) in that order."""
+def _cache(table, rope_type, heads) -> torch.Tensor:
+    """(cos, sin) as a cos/sin cache with a row per head, [B, S, H, Dh]: each head's Dh / 2 cos,
+    then its Dh / 2 sin."""
     cos, sin = table
     if rope_type == "interleaved":  # [B, S, H * Dh], every pair's value repeated
-        return patching.cos_sin_cache(cos.reshape(-1, head_dim), sin.reshape(-1, head_dim))
-    return torch.cat([cos, sin], dim=-1).transpose(1, 2).reshape(-1, head_dim)  # [B, H, S, Dh / 2] each
+        return patching.cos_sin_cache(cos.unflatten(-1, (heads, -1)), sin.unflatten(-1, (heads, -1)))
+    # [B, H, S, Dh / 2] each: diffusers' views of [B, S, H, Dh / 2] tables, read in that order
+    return torch.cat([cos.transpose(1, 2), sin.transpose(1, 2)], dim=-1)
 
 
-def _rows(x, head_dim):
-    return x.reshape(-1, 1, head_dim)  # diffusers' norm output: a fresh [B, S, H * Dh] tensor, viewed
+def _heads(x, attn):
+    return x.unflatten(2, (attn.heads, -1))  # [B, S, H * Dh] -> [B, S, H, Dh]
+
+
+def _token_rms_norms(attn) -> bool:
+    """Whether attn's q/k norms are what qk_norm_rope_(norm_over="token") computes, as
+    LTX2Attention and LTXAttention build them: torch.nn.RMSNorms over all of a token's heads, of
+    one eps (a number; None would be the activations' machine epsilon)."""
+    norm_q, norm_k = attn.norm_q, attn.norm_k
+    return (type(norm_q) is torch.nn.RMSNorm and type(norm_k) is torch.nn.RMSNorm
+            and tuple(norm_q.normalized_shape) == (attn.inner_dim,)
+            and tuple(norm_k.normalized_shape) == (attn.inner_kv_dim,)
+            and norm_q.eps is not None and norm_q.eps == norm_k.eps)
 
 
 def _diffusers_rope(x, table, rope_type):
@@ -249,19 +265,25 @@ def _gated_output(attn, hidden_states, out):
 
 
 class LTXRopeProcessor(patching.DitopsProcessor):
-    """The ditops part of the LTX processors (subclasses below take diffusers' arguments):
-    q and k through diffusers' projections and q/k norms, the RoPE as rope_ on them, attention
+    """The ditops part of the LTX processors (subclasses below take diffusers' arguments): q
+    and k through diffusers' projections, a self-attention's q/k norms and RoPE as one
+    qk_norm_rope_, else diffusers' norms and rope_ (the module docstring says when), attention
     through dispatch_attention_fn with this processor's backend and parallel config. The
     projections take tensors or FP8 rows (quantize="fp8": the block's norms feed them)."""
 
+    bypassed = ("norm_q", "norm_k")
+
     def fits(self, attn, hidden_states, context, query_table, key_table, rope_type) -> bool:
-        # Under torch.compile diffusers' RoPE stays: rope_'s cache is a copy of the tables per
-        # call (split: [B, H, S, Dh / 2] transposed to token-major rows), which Inductor's fused
-        # RoPE does without, reading the tables where they lie (H100, benchmarks/models.py,
-        # LTX-2 512x768: compiled 0.93x diffusers with rope_, 1.01x without; CUDA graphs 0.95x
-        # and 0.985x). Tensors then go to diffusers' processor; FP8 rows stay here, where the
-        # projections take them (diffusers' processor takes tensors: dequantised, then quantised
-        # again by each projection), and rotary_attention applies diffusers' RoPE.
+        # Under torch.compile diffusers' norms and RoPE stay. The cache is a copy of the tables per
+        # call ([B, S, H, Dh] float32: as many values as q), which the RoPE Inductor fuses from
+        # diffusers' code does without, reading the tables where they lie. With rope_ on rows of
+        # folded heads, whose cache also transposed the split tables, compiled LTX-2 ran 0.93x
+        # diffusers, 1.01x without (H100, benchmarks/models.py, 512x768; CUDA graphs 0.95x and
+        # 0.985x). The per-head cache drops that transpose but not the copy; whether one
+        # qk_norm_rope_ for the norms and RoPE wins it back there is unmeasured, so compiled calls
+        # keep diffusers' code. Tensors then go to diffusers' processor; FP8 rows stay here, where
+        # the projections take them (diffusers' processor takes tensors: dequantised, then
+        # quantised again by each projection), and rotary_attention applies diffusers' code.
         return ((isinstance(hidden_states, Float8Rows) or not torch.compiler.is_compiling())
                 and _table_fits(query_table, rope_type, *patching.batch_and_tokens(hidden_states), attn.inner_dim,
                                 attn.head_dim)
@@ -270,22 +292,28 @@ class LTXRopeProcessor(patching.DitopsProcessor):
 
     def rotary_attention(self, attn, hidden_states, context, query_table, key_table, rope_type) -> torch.Tensor:
         """Attention of [B, S, H * Dh] rows, before the output projection; key_table None: the
-        query's (one cache for q and k)."""
-        if torch.compiler.is_compiling():  # FP8 rows (``fits``): diffusers' RoPE
-            query = _diffusers_rope(attn.norm_q(attn.to_q(hidden_states)), query_table, rope_type)
-            key = _diffusers_rope(attn.norm_k(attn.to_k(context)), query_table if key_table is None else key_table,
-                                  rope_type)
+        query's (a self-attention: one cache for q and k)."""
+        if torch.compiler.is_compiling():  # FP8 rows (``fits``): diffusers' norms and RoPE
+            query = _heads(_diffusers_rope(attn.norm_q(attn.to_q(hidden_states)), query_table, rope_type), attn)
+            key = _heads(_diffusers_rope(attn.norm_k(attn.to_k(context)),
+                                         query_table if key_table is None else key_table, rope_type), attn)
         else:
-            query = _rows(attn.norm_q(attn.to_q(hidden_states)), attn.head_dim)
-            key = _rows(attn.norm_k(attn.to_k(context)), attn.head_dim)
             interleaved = rope_type == "interleaved"
-            if key_table is None:
-                ops.rope_(query, key, _cache(query_table, rope_type, attn.head_dim), interleaved=interleaved)
+            cache = _cache(query_table, rope_type, attn.heads)
+            if key_table is None and _token_rms_norms(attn) and not patching.hooked(attn, self.bypassed):
+                # the projections' outputs are new tensors: written in place
+                query, key = ops.qk_norm_rope_(_heads(attn.to_q(hidden_states), attn), _heads(attn.to_k(context), attn),
+                                               attn.norm_q.weight, attn.norm_k.weight, cache, interleaved=interleaved,
+                                               eps=attn.norm_q.eps, norm_over="token")
             else:
-                ops.rope_(query, None, _cache(query_table, rope_type, attn.head_dim), interleaved=interleaved)
-                ops.rope_(key, None, _cache(key_table, rope_type, attn.head_dim), interleaved=interleaved)
-        query, key, value = (x.view(*patching.batch_and_tokens(source), attn.heads, -1) for x, source in
-                             ((query, hidden_states), (key, context), (attn.to_v(context), context)))
+                query = _heads(attn.norm_q(attn.to_q(hidden_states)), attn)
+                key = _heads(attn.norm_k(attn.to_k(context)), attn)
+                if key_table is None:
+                    ops.rope_(query, key, cache, interleaved=interleaved)
+                else:
+                    ops.rope_(query, None, cache, interleaved=interleaved)
+                    ops.rope_(key, None, _cache(key_table, rope_type, attn.heads), interleaved=interleaved)
+        value = _heads(attn.to_v(context), attn)
         return self.attention(query, key, value).flatten(2, 3).type_as(query)
 
 
@@ -390,14 +418,18 @@ def _forwards(forward_of) -> dict:
     return {False: forward_of(_norm), True: forward_of(_norm_fp8)}
 
 
-# text_query_fed: whether a norm's output is the text cross-attentions' query (LTX-2's norm2s;
-# LTX-Video's cross-attention reads the residual stream)
+# rotary: the attentions called with rotary tables, self_attentions those of them whose q and k
+# share one (the others' have tables of their own); text_query_fed: whether a norm's output is the
+# text cross-attentions' query (LTX-2's norm2s; LTX-Video's cross-attention reads the residual stream)
 _LTX2 = dict(norms=_LTX2_NORMS, forwards=_forwards(_ltx2_block_forward_of), processor_class=_ltx2_processor_class,
              rotary=("attn1", "audio_attn1", "audio_to_video_attn", "video_to_audio_attn"),
+             self_attentions=("attn1", "audio_attn1"),
              text=("attn2", "audio_attn2"), text_query_fed=True, feed_forwards=("ff", "audio_ff"),
              output="norm_out, audio_norm_out")
 _LTX = dict(norms=_LTX_NORMS, forwards=_forwards(_ltx_block_forward_of), processor_class=_ltx_processor_class,
-            rotary=("attn1",), text=("attn2",), text_query_fed=False, feed_forwards=("ff",), output="norm_out")
+            rotary=("attn1",), self_attentions=("attn1",), text=("attn2",), text_query_fed=False, feed_forwards=("ff",),
+            output="norm_out")
+QK_NORM_ROPE = "qk_norm_rope_ (norm_over=token)"  # the report's op for a self-attention
 
 
 def _sites(norms, fp8: bool) -> list:
@@ -432,8 +464,13 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         for name in family["rotary"]:
             attn = getattr(block, name)
             processor_class = family["processor_class"](attn)
+            self_attention = name in family["self_attentions"]
+            fused = self_attention and _token_rms_norms(attn)
             patching.replace_processor(patches, report, attn, f"{path}.{name}", processor_class is not None,
-                                       processor_class, "rope_")
+                                       processor_class, QK_NORM_ROPE if fused else "rope_")
+            if processor_class is not None and self_attention and not fused:
+                report.skipped.append(f"{path}.{name}: q/k norms not torch.nn.RMSNorms of one eps over all heads of a "
+                                      "token: diffusers' norm_q / norm_k, then rope_")
         for name in family["text"]:
             if fp8 and family["text_query_fed"]:
                 patching.replace_processor(patches, report, getattr(block, name), f"{path}.{name}", True,
@@ -443,8 +480,9 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
             if fp8:
                 report.skipped.append(f"{path}.{name}.to_q: quantises its own input (its query is the residual "
                                       "stream, which no norm precedes)")
-    report.skipped.append("the attentions' q/k RMSNorm over all heads together (not per head as qk_norm_rope_ "
-                          "computes): diffusers' norm_q / norm_k")
+    if len(family["rotary"]) > len(family["self_attentions"]):
+        report.skipped.append("the audio-video attentions' q/k RMSNorm: diffusers' norm_q / norm_k, then rope_ on q "
+                              "and on k (their tokens and tables differ; qk_norm_rope_ takes q and k of one table)")
     report.skipped.append(f"{family['output']}: the output LayerNorm and its modulation; left as it is")
     if fp8_dtype is not None:
         quantize.replace_rest(model, patches, report, fp8_dtype)
