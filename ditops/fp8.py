@@ -19,6 +19,31 @@ from . import ops
 from .dispatch import fp8_dtypes
 
 
+class _InferenceOnly(torch.autograd.Function):
+    """The identity, whose backward raises: gradients must not reach FP8 tensors, where autograd
+    fails deep inside (an FP8 sum has no kernel) with an error that names no cause."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor) -> Tensor:
+        return out.clone()  # not a view: the projections' outputs are rotated in place (qk_norm_rope_)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        raise NotImplementedError(
+            "ditops FP8 layers (apply(model, quantize=\"fp8\"), Float8Linear, Float8Rows) are for inference and have "
+            "no backward: run the model under torch.no_grad() or torch.inference_mode(), or patch it without "
+            "quantize= to train it")
+
+
+def inference_only(out: Tensor) -> Tensor:
+    """out computed from FP8 rows, marked so that a backward through it raises a clear error: in
+    eager grad mode only (a copy there). Inference is left as it is, and so are compiled graphs:
+    Dynamo traces a backward when it meets the Function, and one that raises breaks fullgraph."""
+    if out.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _InferenceOnly.apply(out)
+    return out
+
+
 class Float8Rows(NamedTuple):
     """FP8 activations and their per-row float32 scales: ``data * scale`` stands for the values."""
 
@@ -27,7 +52,7 @@ class Float8Rows(NamedTuple):
 
     def dequantize(self, dtype: torch.dtype) -> Tensor:
         """The values the rows stand for, in ``dtype`` (for code that takes a tensor)."""
-        return (self.data.float() * self.scale).to(dtype)
+        return inference_only((self.data.float() * self.scale).to(dtype))
 
 
 def quantize_weight(weight: Tensor, fp8_dtype: torch.dtype) -> tuple:
@@ -107,7 +132,12 @@ class Float8Linear(torch.nn.Module):
 
 def linear(rows: Float8Rows, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
     """rows @ weight.T + bias, in out_dtype: FP8 rows [..., K] with scales [..., 1], an FP8
-    weight [N, K] with scales [1, N]. Fast accumulation, as torchao's rowwise FP8 inference."""
+    weight [N, K] with scales [1, N]. Fast accumulation, as torchao's rowwise FP8 inference.
+    Inference only (inference_only)."""
+    return inference_only(_product(rows, weight, weight_scale, bias, out_dtype))
+
+
+def _product(rows: Float8Rows, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
     data, scale = rows
     leading = data.shape[:-1]
     if not data.is_cuda:

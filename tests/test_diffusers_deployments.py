@@ -409,6 +409,20 @@ def test_grad_mode_gives_the_no_grad_output_and_diffusers_gradients(name):
     assert error / sum(gradient.square().sum() for gradient in want.values()).sqrt() <= tolerance
 
 
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_an_fp8_model_in_grad_mode_gives_the_no_grad_output_and_refuses_backward(name):
+    """FP8 layers are for inference: in grad mode a quantised model's output is its no_grad one
+    bit for bit, and a backward through it raises an error that says so (without the mark, a
+    gradient reaching an FP8 tensor fails inside autograd naming only a missing FP8 kernel)."""
+    model, inputs, _ = TINY[name](torch.float32)
+    integration.apply(model, quantize="fp8")
+    sample = output(model, inputs)
+    assert sample.requires_grad and torch.equal(sample, run(model, inputs))
+    with pytest.raises(NotImplementedError, match=r"for inference and have no backward: run the model under "
+                                                  r"torch.no_grad\(\)"):
+        sample.sum().backward()
+
+
 def test_compiled_fp8_flux_block_in_grad_mode_matches_eager():
     """A double block of FP8 FLUX (joint FP8 q/k/v in both streams) under torch.compile(fullgraph=True)
     in grad mode, within the FP8 compile tolerance of test_fp8.py; under no_grad its graph holds no
