@@ -614,6 +614,21 @@ def test_the_rope_preference_holds_for_the_measured_layout_and_head_sizes(name, 
         assert explanation.selected == expected, tokens
 
 
+@pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_a_token_rmsnorm_runs_cuda_where_measured_faster(name):
+    """qk_norm_rope_(norm_over="token") with RMSNorm, eager and compiled (registry.yaml): cuda on
+    the H100 at every D; on the H200 above D 4096 only (Wan2.1-14B), where below it Triton's
+    kernel was the faster (Wan2.1-1.3B, LTX-2)."""
+    if CUDA_REFUSAL:
+        pytest.skip(CUDA_REFUSAL)
+    for heads, compiled in ((12, False), (32, False), (40, False), (12, True), (40, True)):  # D = heads * 128
+        spec = HeadSpec((8,), heads, heads, 128, norm_over="token")
+        arguments = build("qk_norm_rope_", spec, torch.bfloat16, "cpu", torch.Generator().manual_seed(0))
+        with _named("sm_90", name):
+            selected = ditops.explain("qk_norm_rope_", **arguments, compiled=compiled).selected
+        assert selected == ("cuda" if "H100" in name or heads * 128 > 4096 else "triton"), (heads, compiled)
+
+
 @pytest.mark.parametrize("norm_over", ["token", "head"])
 def test_a_layer_norm_keeps_the_order_of_ops_where_only_rmsnorm_was_measured(norm_over):
     """On the H200 the token-norm preference (registry.yaml) was measured with RMSNorm: a
