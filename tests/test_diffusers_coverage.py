@@ -770,3 +770,30 @@ def test_bfloat16_patched_within_the_documented_bound(name):
     patched = run(model, inputs)
     torch.testing.assert_close(patched, expected, atol=1.6e-2 * 4, rtol=1.6e-2 * 4)
     assert (patched - expected).norm() / expected.norm() <= 4 * torch.finfo(torch.bfloat16).eps * 4
+
+
+# ----- blocks matched by their class ------------------------------------------------------------
+
+EXACT_CLASS_BLOCKS = {  # family: (builder, a block's path in the model)
+    "lumina2": (tiny_lumina2, "layers.0"), "cosmos": (tiny_cosmos, "transformer_blocks.0"),
+    "kandinsky5": (tiny_kandinsky5, "visual_transformer_blocks.0"), "hidream": (tiny_hidream, "double_stream_blocks.0.block"),
+    "ltx-2": (tiny_ltx2, "transformer_blocks.0"),
+}
+
+
+@pytest.mark.parametrize("family", EXACT_CLASS_BLOCKS)
+def test_a_block_of_a_subclass_is_left_as_it_is_and_named(family):
+    """Where a module matches its blocks by class (patching.is_block), a subclass, which may
+    compute otherwise, is not patched: the report names it, the model still gives diffusers'
+    output and the other blocks are patched."""
+    build, path = EXACT_CLASS_BLOCKS[family]
+    model, inputs = build()
+    block = model.get_submodule(path)
+    original = type(block)
+    block.__class__ = type(f"Custom{original.__name__}", (original,), {})
+    expected = run(model, inputs)
+    report = integration.apply(model)
+    assert f"{path}: Custom{original.__name__}, not {original.__name__}; left as it is" in report.skipped
+    assert not any(site.startswith(f"{path}.") for site, _ in report.replaced)
+    assert report.replaced and "forward" not in vars(block)
+    torch.testing.assert_close(run(model, inputs), expected, rtol=1e-5, atol=1e-5)

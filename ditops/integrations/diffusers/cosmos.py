@@ -133,8 +133,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
 
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
-        if type(block) is not CosmosTransformerBlock:
-            report.skipped.append(f"{path}: {type(block).__name__}, not CosmosTransformerBlock; left as it is")
+        if not patching.is_block(report, block, CosmosTransformerBlock, path):
             continue
         patching.replace_processor(patches, report, block.attn1, f"{path}.attn1", _attention_supported(block.attn1),
                                    CosmosQKNormRopeProcessor, "qk_norm_rope_")

@@ -156,8 +156,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
         for index, wrapper in enumerate(getattr(model, blocks)):
             path = f"{blocks}.{index}.block"
             block = wrapper.block if type(wrapper) is HiDreamBlock else wrapper
-            if type(block) is not block_class:
-                report.skipped.append(f"{path}: {type(block).__name__}, not {block_class.__name__}; left as it is")
+            if not patching.is_block(report, block, block_class, path):
                 continue
             if not all(patching.plain_layer_norm(getattr(block, name)) for name in norms):
                 report.skipped.append(f"{path}: norms not LayerNorms without affine parameters; left as they are")

@@ -144,8 +144,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     for blocks, block_class, norms, forwards in families:
         for index, block in enumerate(getattr(model, blocks)):
             path = f"{blocks}.{index}"
-            if type(block) is not block_class:
-                report.skipped.append(f"{path}: {type(block).__name__}, not {block_class.__name__}; left as it is")
+            if not patching.is_block(report, block, block_class, path):
                 continue
             patching.replace_processor(patches, report, block.self_attention, f"{path}.self_attention",
                                        _attention_supported(block.self_attention), Kandinsky5QKNormRopeProcessor,

@@ -452,8 +452,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
                            else (LTXVideoTransformerBlock, _LTX))
     for index, block in enumerate(model.transformer_blocks):
         path = f"transformer_blocks.{index}"
-        if type(block) is not block_class:
-            report.skipped.append(f"{path}: {type(block).__name__}, not {block_class.__name__}; left as it is")
+        if not patching.is_block(report, block, block_class, path):
             continue
         plain = _plain_rms_norms(block, family["norms"])
         fp8 = plain and fp8_dtype is not None and _quantize_block(block, path, family, patches, report, fp8_dtype)

@@ -120,8 +120,7 @@ def patch(model, patches: list, report, fp8_dtype=None) -> None:
     for group in ("context_refiner", "noise_refiner", "layers"):
         for index, block in enumerate(getattr(model, group)):
             path = f"{group}.{index}"
-            if type(block) is not Lumina2TransformerBlock:
-                report.skipped.append(f"{path}: {type(block).__name__}, not Lumina2TransformerBlock; left as it is")
+            if not patching.is_block(report, block, Lumina2TransformerBlock, path):
                 continue
             patching.replace_processor(patches, report, block.attn, f"{path}.attn",
                                        _attention_supported(block.attn), Lumina2QKNormRopeProcessor, "qk_norm_rope_")

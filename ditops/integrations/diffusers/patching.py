@@ -252,6 +252,15 @@ def replace_processor_unless(patches: list, report: Report, attention, path: str
 # ----- helpers the model modules share --------------------------------------------------------
 
 
+def is_block(report: Report, block, block_class, path: str) -> bool:
+    """Whether ``block`` is a ``block_class`` (the class exactly, not a subclass, which may compute
+    otherwise); where not, the report says so and the block is left as it is."""
+    if type(block) is block_class:
+        return True
+    report.skipped.append(f"{path}: {type(block).__name__}, not {block_class.__name__}; left as it is")
+    return False
+
+
 def writable(*projections) -> tuple:
     """q and k for an in-place op (qk_norm_rope_, rope_) where they may be chunks of one
     projection (quantize="fp8" joins q/k/v, diffusers' fuse_qkv_projections, FLUX.2's
