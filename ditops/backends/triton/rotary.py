@@ -67,7 +67,7 @@ def _pair_params(params, mask, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl
     the heads past the last). Interleaved rows per head are one contiguous tile, split as
     _load_pairs splits the head's: as two loads of every other value (element-wide gathers)
     they cost the token-norm kernel more than the heads' own loads (H200, bf16: Wan2.1-14B
-    5377 -> 1423 us, LTX-2 280 -> 61). One [Dh] row keeps the two loads: split, it was 12%
+    5377 -> 1443 us, LTX-2 280 -> 62). One [Dh] row keeps the two loads: split, it was 12%
     slower on Z-Image's per-head rows (H30 Dh128)."""
     if INTERLEAVED and PER_HEAD:
         both = 2 * first + tl.arange(0, 2 * WIDTH)[None, :]
