@@ -64,15 +64,13 @@ def _cos_sin(cache_row, mask, first, half, WIDTH: tl.constexpr):
 def _pair_params(params, mask, first, half, WIDTH: tl.constexpr, INTERLEAVED: tl.constexpr, PER_HEAD: tl.constexpr):
     """A norm weight's or bias's values at the dims of x1 and x2 of the pairs [first, first +
     WIDTH), in float32 (params: one [Dh] row, or with PER_HEAD a row per head where mask masks
-    the heads past the last). Interleaved rows per head are one contiguous tile, split as
-    _load_pairs splits the head's: as two loads of every other value (element-wide gathers)
-    they cost the token-norm kernel more than the heads' own loads (H200, bf16: Wan2.1-14B
-    5377 -> 1443 us, LTX-2 280 -> 62). One [Dh] row keeps the two loads: split, it was 12%
-    slower on Z-Image's per-head rows (H30 Dh128)."""
+    the heads past the last). Interleaved rows per head load as _load_pairs loads the heads,
+    one contiguous tile split: as two loads of every other value (element-wide gathers) they
+    cost the token-norm kernel more than the heads' own loads (H200, bf16: Wan2.1-14B 5377 ->
+    1443 us, LTX-2 280 -> 62). One [Dh] row keeps the two loads: split, it was 12% slower on
+    Z-Image's per-head rows (H30 Dh128)."""
     if INTERLEAVED and PER_HEAD:
-        both = 2 * first + tl.arange(0, 2 * WIDTH)[None, :]
-        tile = tl.load(params + both, mask=mask & (both < 2 * half), other=0.0).to(tl.float32)
-        return tl.split(tl.reshape(tile, (tile.shape[0], WIDTH, 2)))
+        return _load_pairs(params, mask, first, half, 2 * half, WIDTH, INTERLEAVED)
     pair = first + tl.arange(0, WIDTH)[None, :]
     if INTERLEAVED:
         first_index, second_index = 2 * pair, 2 * pair + 1
