@@ -735,6 +735,9 @@ _ROPE_BENCH = (
     BenchShape("LLM GQA interleaved", f"T{_LLM} Hq32 Hk8 Dh128", _heads(_LLM, 32, 8, 128, positions=True)),
     BenchShape("LLM Dh80 NeoX", f"T{_LLM} H16 Dh80 neox", _heads(_LLM, 16, 16, 80, interleaved=False, positions=True)),
     BenchShape("LLM GQA Dh96 NeoX", f"T{_LLM} Hq16 Hk2 Dh96 neox", _heads(_LLM, 16, 2, 96, interleaved=False, positions=True)),
+    # a cos/sin row per token and head, split (NeoX) tables: LTX-2's video heads as above
+    BenchShape("LTX-2 768x512 121 frames (per-head cache)", "T6144 H32 Dh128 neox",
+               _heads(6144, 32, 32, 128, interleaved=False, cache="head")),
     BenchShape("latency", "T128 H24 Dh128", _heads(128, 24, 24, 128), quick=True),
 )
 

@@ -34,6 +34,8 @@ SMOKE = (
     compiled.quantize_instance(torch.bfloat16, torch.float8_e4m3fn, True, 3072 + 12288, True),  # FLUX's single block
     compiled.rotary_instance(torch.bfloat16, 64, True, False, True),  # CogVideoX's q/k LayerNorm + RoPE
     compiled.rotary_token_norm_instance(torch.bfloat16, False, 5120, True),  # a LayerNorm per token
+    compiled.rotary_token_norm_instance(torch.bfloat16, False, 4096, False, True),  # LTX-2's, a cos/sin row per head
+    compiled.rotary_instance(torch.bfloat16, 128, False, True, False, True),  # LTX-2's rope_, a row per head
 )
 ARCHS = ("sm_80", "sm_89", "sm_90")
 # Instances per NVRTC program: on a CI machine gated_add_norm's took 0.37 s each compiled one per
@@ -202,11 +204,13 @@ def test_a_row_call_takes_the_affine_instance_exactly_when_it_has_a_weight_or_bi
     assert seen == {False, True}
 
 
-def test_a_qk_norm_rope_call_takes_the_layer_norm_instance_exactly_when_norm_is_layer():
-    """The RMSNorm instances compile the LayerNorm path away, so each qk_norm_rope_ conformance
-    case's launch (built on the CPU) takes the LayerNorm instance (the rotary kernels' LAYER
-    flag, their last template argument) exactly for norm="layer", and passes the call's
-    biases, q's then k's, after the weights; rope_ never takes it."""
+def test_a_rope_call_takes_the_layer_norm_and_head_cache_instances_exactly_when_it_needs_them():
+    """The RMSNorm instances compile the LayerNorm path away, so each RoPE-op conformance case's
+    launch (built on the CPU) takes the LayerNorm instance (the rotary kernels' LAYER flag, their
+    last template argument but one) exactly for norm="layer", and passes the call's biases, q's
+    then k's, after the weights; rope_ never takes it. Likewise the instance reading a cos/sin
+    row per head (HEAD_CACHE, the last) exactly for such a cache, whose strides it is passed:
+    position, batch item (0 for one table of every item) and head."""
     from ditops.backends.cuda import KERNELS
 
     seen = set()
@@ -220,12 +224,19 @@ def test_a_qk_norm_rope_call_takes_the_layer_norm_instance_exactly_when_norm_is_
         launch = getattr(KERNELS, case.op + "_launch")(*arguments)
         layer = values.get("norm") == "layer"
         assert launch.instance.kernel == ("rotary_token_norm" if values.get("norm_over") == "token" else "rotary"), case.id
-        assert launch.instance.template_arguments[-1] == ("true" if layer else "false"), case.id
+        assert launch.instance.template_arguments[-2] == ("true" if layer else "false"), case.id
         biases = [field[0] for field in launch.arguments[4:6]]
         assert all(a is b for a, b in zip(biases, (values.get("q_bias"), values.get("k_bias")))), case.id
-        seen.add((values.get("norm_over", "head"), layer, values.get("q_bias") is not None))
-    assert {("head", True, True), ("head", True, False), ("token", True, False), ("head", False, False),
-            ("token", False, False)} <= seen
+        cache = values["cos_sin_cache"]
+        per_head = cache.dim() > 2
+        assert launch.instance.template_arguments[-1] == ("true" if per_head else "false"), case.id
+        batch_stride = cache.stride(0) if cache.dim() == 4 and cache.shape[0] > 1 else 0
+        strides = (cache.stride(-3), batch_stride, cache.stride(-2)) if per_head else (cache.stride(0), 0, 0)
+        assert launch.arguments[6][0] is cache and launch.arguments[6][2:] == strides, case.id
+        seen.add((values.get("norm_over", "head"), layer, values.get("q_bias") is not None, per_head))
+    assert {("head", True, True, False), ("head", True, False, False), ("token", True, False, False),
+            ("head", False, False, False), ("token", False, False, False), ("head", False, False, True),
+            ("token", False, False, True), ("token", True, True, True), ("head", True, True, True)} <= seen
 
 
 def test_a_quantize_call_takes_the_instance_of_its_format_and_activation():

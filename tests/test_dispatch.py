@@ -531,18 +531,31 @@ def test_modulation_tables_go_to_triton_with_the_compiled_backends_reason(op, ar
 
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
 @pytest.mark.parametrize("op", ["qk_norm_rope_", "rope_"])
-def test_a_cache_row_per_head_goes_to_triton_with_the_compiled_backends_reason(op, arch, rocm_6):
-    """The cuda and rocm rotary kernels read one cache row per token (registry.yaml: rope_caches)."""
+def test_the_compiled_backends_take_a_cache_row_per_head(op, arch, rocm_6):
+    """The cuda and rocm rotary kernels read a cos/sin row per head as well as one per token: a
+    per-head cache takes the order of ops (rocm first on AMD, triton first on NVIDIA)."""
     compiled = "cuda" if arch.startswith("sm_") else "rocm"
     with described(arch):
         arguments = example_arguments(op, (2, 8, 4, 64), torch.bfloat16, param_dtype=torch.float32)
         per_head = dict(arguments, cos_sin_cache=arguments["cos_sin_cache"][None, :, None].expand(2, -1, 4, -1))
         head_cache = ditops.explain(op, **per_head)
-        shared = ditops.explain(op, **arguments)
-    assert head_cache.selected == "triton" and head_cache.features.rope_cache == "per_head"
-    assert ("supports cos/sin cache forms ['shared'] ([P, R]: one row for every head), got 'per_head'"
-            in refusals_of(head_cache)[compiled])
-    assert shared.features.rope_cache == "shared" and "cache forms" not in (refusals_of(shared)[compiled] or "")
+    assert head_cache.features.rope_cache == "per_head" and refusals_of(head_cache)[compiled] is None
+    assert head_cache.selected == ("rocm" if compiled == "rocm" else "triton")
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+@pytest.mark.parametrize("op, norm_over, heads", [("qk_norm_rope_", "token", 40), ("rope_", "head", 4)])
+def test_the_rope_preferences_keep_to_the_shared_caches_they_were_measured_with(name, op, norm_over, heads):
+    """The cuda preferences of the RoPE ops (registry.yaml) cite rows with a shared cache: a
+    call with a cos/sin row per head that they would otherwise match keeps the order of ops."""
+    if CUDA_REFUSAL:
+        pytest.skip(CUDA_REFUSAL)
+    spec = HeadSpec((8,), heads, heads, 128, interleaved=False, norm_over=norm_over)
+    arguments = build(op, spec, torch.bfloat16, "cpu", torch.Generator().manual_seed(0))
+    per_head = dict(arguments, cos_sin_cache=arguments["cos_sin_cache"][:, None].expand(-1, heads, -1))
+    with _named("sm_90", name):
+        assert ditops.explain(op, **arguments).selected == "cuda"
+        assert ditops.explain(op, **per_head).selected == "triton"
 
 
 def _qk_layer_norm_arguments(norm_over: str) -> dict:

@@ -116,30 +116,34 @@ def quantize_instance(dtype: torch.dtype, fp8_dtype: torch.dtype, gelu: bool, hi
 
 
 def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False,
-                    layer: bool = False) -> Instance:
+                    layer: bool = False, head_cache: bool = False) -> Instance:
     """The rotary kernel for heads of head_size in one pair layout: a thread per chunk of a head
     (interleaved: its pairs lie in a chunk) or per two chunks (NeoX: a pair's values lie R/2
     apart), in groups as wide as still pack the most heads into a 32-lane segment (rotary.cu).
     Interleaved: 16 lanes for Dh 96 (two heads), 10 for Dh 80 (three); NeoX: 6 (five heads) and
     5 (six). streaming: the instance that stores q and k with the streaming cache hint
     (_streaming_stores says for which calls). layer: the LayerNorm instance (qk_norm_rope_'s
-    norm="layer")."""
+    norm="layer"). head_cache: the instance reading a cos/sin row per head."""
     settings = _launch_settings()["rotary"]
     chunks = -(-head_size // (CHUNK if interleaved else 2 * CHUNK))  # a lane's share of the head
     threads, block = SEGMENT // (SEGMENT // chunks), settings["block"]
     arguments = (C_TYPES[dtype], "true" if interleaved else "false", threads, block, _rotary_items(interleaved),
-                 "true" if streaming else "false", settings["min_blocks"], "true" if layer else "false")
+                 "true" if streaming else "false", settings["head_cache_min_blocks" if head_cache else "min_blocks"],
+                 "true" if layer else "false",
+                 "true" if head_cache else "false")
     return Instance("rotary.cu", "rotary", arguments, block, threads)
 
 
-def rotary_token_norm_instance(dtype: torch.dtype, interleaved: bool, hidden: int, layer: bool = False) -> Instance:
+def rotary_token_norm_instance(dtype: torch.dtype, interleaved: bool, hidden: int, layer: bool = False,
+                               head_cache: bool = False) -> Instance:
     """The rotary_token_norm kernel (qk_norm_rope_ with norm_over="token"; layer: its LayerNorm
-    instance) for a token's widest tensor of hidden = H * Dh values: the first launch class with
-    max_hidden >= hidden, a block per token and tensor holding block * items chunks of 8 values."""
+    instance; head_cache: the one reading a cos/sin row per head) for a token's widest tensor of
+    hidden = H * Dh values: the first launch class with max_hidden >= hidden, a block per token
+    and tensor holding block * items chunks of 8 values."""
     for entry in _launch_settings()["rotary_token_norm"]:
         if hidden <= entry["max_hidden"]:
             arguments = (C_TYPES[dtype], "true" if interleaved else "false", entry["block"], entry["items"],
-                         "true" if layer else "false")
+                         "true" if layer else "false", "true" if head_cache else "false")
             return Instance("rotary.cu", "rotary_token_norm", arguments, entry["block"], entry["block"])
     raise ValueError(f"no compiled launch setting for token norms of {hidden}; the registry's max_hidden_size should refuse them")
 
@@ -175,12 +179,12 @@ def all_instances() -> list:
             instances.append(row_instance(kernel, dtype, param_dtype, hidden, affine, fp8_dtype))
         instances += [quantize_instance(dtype, fp8_dtype, gelu, hidden, prefix)
                       for fp8_dtype, gelu, hidden, prefix in itertools.product(FP8_TYPES, (False, True), rows, (False, True))]
-        instances += [rotary_instance(dtype, head_size, interleaved, streaming, layer)
-                      for head_size, interleaved, streaming, layer in itertools.product(ROTARY_HEAD_SIZES, (False, True),
-                                                                                         (False, True), (False, True))]
-        instances += [rotary_token_norm_instance(dtype, interleaved, entry["max_hidden"], layer)
-                      for entry, interleaved, layer in itertools.product(_launch_settings()["rotary_token_norm"],
-                                                                         (False, True), (False, True))]
+        instances += [rotary_instance(dtype, head_size, interleaved, streaming, layer, head_cache)
+                      for head_size, interleaved, streaming, layer, head_cache in itertools.product(
+                          ROTARY_HEAD_SIZES, (False, True), (False, True), (False, True), (False, True))]
+        instances += [rotary_token_norm_instance(dtype, interleaved, entry["max_hidden"], layer, head_cache)
+                      for entry, interleaved, layer, head_cache in itertools.product(
+                          _launch_settings()["rotary_token_norm"], (False, True), (False, True), (False, True))]
     return list(dict.fromkeys(instances))
 
 
@@ -270,6 +274,15 @@ Binder = Callable[[Instance, int], Callable[[tuple, int], None]]
 def _weight(t: Optional[torch.Tensor]) -> tuple:
     """The rotary kernels' Weight struct (a norm weight or bias): its dtype is a run-time value."""
     return (t, DTYPE_CODES[t.dtype]) if t is not None else (None, 0)
+
+
+def _cos_sin_cache(t: torch.Tensor) -> tuple:
+    """The rotary kernels' CosSinCache struct: [P, R] (one row for every head), or a row per head,
+    [P, H, R] or [B, P, H, R] (B 1: one table for every batch item, batch stride 0)."""
+    if t.dim() == 2:
+        return (t, DTYPE_CODES[t.dtype], t.stride(0), 0, 0)
+    batch_stride = t.stride(0) if t.dim() == 4 and t.shape[0] > 1 else 0
+    return (t, DTYPE_CODES[t.dtype], t.stride(-3), batch_stride, t.stride(-2))
 
 
 def _param_dtype(x: torch.Tensor, params: tuple) -> torch.dtype:
@@ -446,7 +459,8 @@ class CompiledOps:
         rows = q_tokens.batch * q_tokens.tokens
         if rows == 0 or q_heads + k_heads == 0 or q.shape[-1] == 0:
             return None
-        instance = rotary_instance(q.dtype, q.shape[-1], interleaved, _streaming_stores(rows), norm == "layer")
+        instance = rotary_instance(q.dtype, q.shape[-1], interleaved, _streaming_stores(rows), norm == "layer",
+                                   cos_sin_cache.dim() > 2)
         # As rotary.cu numbers its slots: a token's q slots, then its k slots, `items` heads each.
         items = _rotary_items(interleaved)
         token_slots = (q_heads + items - 1) // items + (k_heads + items - 1) // items
@@ -459,9 +473,9 @@ class CompiledOps:
         k_view = (k, *tokens_of(k)[2:]) if k is not None else (None, 0, 0)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), k_view, _weight(q_weight), _weight(k_weight),
-            _weight(q_bias), _weight(k_bias), (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)),
+            _weight(q_bias), _weight(k_bias), _cos_sin_cache(cos_sin_cache),
             _integers(positions), q_heads, k_heads, q_tokens.tokens, divisor(q_tokens.tokens), divisor(token_slots), rows,
-            q.shape[-1], cos_sin_cache.shape[1], position_offset, float(eps), int(norm is not None),
+            q.shape[-1], cos_sin_cache.shape[-1], position_offset, float(eps), int(norm is not None),
         ]
         return CompiledLaunch(instance, (blocks, 1, 1), arguments)
 
@@ -472,11 +486,11 @@ class CompiledOps:
         if rows == 0:
             return None
         instance = rotary_token_norm_instance(q.dtype, interleaved, max(q.shape[-2], k.shape[-2]) * q.shape[-1],
-                                              norm == "layer")
+                                              norm == "layer", cos_sin_cache.dim() > 2)
         arguments = [
             (q, q_tokens.batch_stride, q_tokens.token_stride), (k, *tokens_of(k)[2:]), _weight(q_weight), _weight(k_weight),
-            _weight(q_bias), _weight(k_bias), (cos_sin_cache, DTYPE_CODES[cos_sin_cache.dtype], cos_sin_cache.stride(0)),
-            _integers(positions), q.shape[-2], k.shape[-2], q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[1],
+            _weight(q_bias), _weight(k_bias), _cos_sin_cache(cos_sin_cache),
+            _integers(positions), q.shape[-2], k.shape[-2], q_tokens.tokens, q.shape[-1], cos_sin_cache.shape[-1],
             position_offset, float(eps),
         ]
         return CompiledLaunch(instance, (rows, 2, 1), arguments)

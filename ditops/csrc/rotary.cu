@@ -14,7 +14,8 @@
 // then ceil(Hk / ITEMS) k slots, consecutive in the grid (they may straddle blocks, and a block
 // holds several tokens when heads are few), and slot j of a tensor takes its heads j,
 // j + slots, ... So each token costs one memory round trip, and a thread, which keeps the same
-// columns of one token and one tensor, loads its cos/sin and norm weight once. Calls in the
+// columns of one token and one tensor, loads its cos/sin (with a cos/sin row per head, each of
+// its heads') and norm weight once. Calls in the
 // launch table's streaming_stores token range take the instance that stores q and k with the
 // streaming cache hint: the same bits.
 #include "memory.cuh"
@@ -34,11 +35,24 @@ struct Weight {
     long long dtype;
 };
 
+// cos/sin rows of R values (R/2 cos then R/2 sin), float32 or 16-bit: one per position, or with
+// HEAD_CACHE (a kernel's template flag) one per position and head, of one table or of a table per
+// batch item (batch_stride 0: one table for every item). Strides in elements.
 struct CosSinCache {
     const void* data;
     long long dtype;
     long long row_stride;
+    long long batch_stride;
+    long long head_stride;
 };
+
+// The row of a position (and, with HEAD_CACHE, of a batch item's table and a head).
+template <bool HEAD_CACHE>
+__device__ inline const void* cache_row(const CosSinCache& cache, long long batch, long long position, long long head) {
+    long long offset = position * cache.row_stride;
+    if constexpr (HEAD_CACHE) offset += batch * cache.batch_stride + head * cache.head_stride;
+    return static_cast<const char*>(cache.data) + offset * (cache.dtype == kFloat32 ? 4 : 2);
+}
 
 // The 4 interleaved pairs (v[2p], v[2p + 1]) of a chunk rotated by (c[p], s[p]).
 __device__ inline void rotate_interleaved(float (&v)[kChunk], const float (&c)[kChunk], const float (&s)[kChunk]) {
@@ -65,8 +79,10 @@ __device__ inline void rotate_neox(float (&a)[kChunk], float (&b)[kChunk], const
 // per store, it made the float16 instances spill on sm_90). MIN_BLOCKS: the launch table's.
 // LAYER: LayerNorm rather than RMSNorm (qk_norm_rope_'s norm="layer"; `norm` is then set), a
 // template flag so that the RMSNorm and RoPE-only calls keep their code and registers: its
-// means and biases are held beside the weights.
-template <typename T, bool INTERLEAVED, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS, bool LAYER>
+// means and biases are held beside the weights. HEAD_CACHE: a cos/sin row per head, so a thread
+// loads one per item (else one for all its heads); a flag for the same reason.
+template <typename T, bool INTERLEAVED, int HEAD_THREADS, int BLOCK, int ITEMS, bool STREAMING, int MIN_BLOCKS, bool LAYER,
+          bool HEAD_CACHE>
 __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
     Heads q, Heads k, Weight q_weight, Weight k_weight, Weight q_bias, Weight k_bias, CosSinCache cache, Integers positions,
     long long q_heads, long long k_heads, long long tokens, Divisor by_tokens, Divisor by_token_slots, long long rows,
@@ -126,18 +142,23 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
         }
     }
 
-    // cos and sin of this lane's pairs, the same for every head: NeoX's 8 (a .. a + 7), or the
-    // 4 interleaved pairs of A (a / 2 ..).
-    float c[kChunk] = {}, s[kChunk] = {};
+    // cos and sin of this lane's pairs: NeoX's 8 (a .. a + 7), or the 4 interleaved pairs of A
+    // (a / 2 ..); the same for every head, or with HEAD_CACHE each item's head's own.
+    constexpr int kCacheRows = HEAD_CACHE ? ITEMS : 1;
+    float c[kCacheRows][kChunk] = {}, s[kCacheRows][kChunk] = {};
     if (valid && rotated) {
         const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;
-        const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
-        if constexpr (INTERLEAVED) {
-            load_quad_of_dtype(cos_row, cache.dtype, a / 2, c);
-            load_quad_of_dtype(cos_row, cache.dtype, half + a / 2, s);
-        } else {
-            load_chunk_of_dtype(cos_row, cache.dtype, a, c);
-            load_chunk_of_dtype(cos_row, cache.dtype, half + a, s);
+#pragma unroll
+        for (int r = 0; r < kCacheRows; ++r) {
+            if (HEAD_CACHE && !stored[r]) continue;  // no such head: no such cache row
+            const void* cos_row = cache_row<HEAD_CACHE>(cache, batch, position, first_head + r * slots);
+            if constexpr (INTERLEAVED) {
+                load_quad_of_dtype(cos_row, cache.dtype, a / 2, c[r]);
+                load_quad_of_dtype(cos_row, cache.dtype, half + a / 2, s[r]);
+            } else {
+                load_chunk_of_dtype(cos_row, cache.dtype, a, c[r]);
+                load_chunk_of_dtype(cos_row, cache.dtype, half + a, s[r]);
+            }
         }
     }
     // The tensor's norm weight of each chunk, or ones where it has none (x * 1 is exact), and with
@@ -209,10 +230,11 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
                 else if (norm) v[j][e] = v[j][e] * inverse_rms[item] * w[j][e];
             }
         }
+        const int r = HEAD_CACHE ? item : 0;
         if constexpr (INTERLEAVED) {
-            if (rotated) rotate_interleaved(v[0], c, s);
+            if (rotated) rotate_interleaved(v[0], c[r], s[r]);
         } else if (neox_pair) {
-            rotate_neox(v[0], v[1], c, s);
+            rotate_neox(v[0], v[1], c[r], s[r]);
         }
         if (stored[item]) {
             T* const head_values = token_heads + (first_head + item * slots) * head_size;
@@ -232,8 +254,9 @@ __global__ void LAUNCH_BOUNDS(BLOCK, MIN_BLOCKS) rotary(
 // the registry's max_hidden_size). The chunks stay as loaded until the sums are known; cos/sin,
 // the weight and the bias are read after them. LAYER is a compile-time flag, as in the per-head
 // kernel: as a run-time one, the LayerNorm pass and the bias loads took the RMSNorm calls' kernel
-// from 98 to 122 registers (bfloat16, NeoX, 64 threads x 3 items, sm_90).
-template <typename T, bool INTERLEAVED, int BLOCK, int ITEMS, bool LAYER>
+// from 98 to 122 registers (bfloat16, NeoX, 64 threads x 3 items, sm_90). HEAD_CACHE: each unit
+// reads its head's cos/sin row.
+template <typename T, bool INTERLEAVED, int BLOCK, int ITEMS, bool LAYER, bool HEAD_CACHE>
 __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
     Heads q, Heads k, Weight q_weight, Weight k_weight, Weight q_bias, Weight k_bias, CosSinCache cache,
     Integers positions, long long q_heads, long long k_heads, long long tokens, long long head_size,
@@ -300,11 +323,11 @@ __global__ void LAUNCH_BOUNDS(BLOCK, 1) rotary_token_norm(
     const float inverse_rms = rsqrtf(group_sum<BLOCK, BLOCK>(squares) / count + eps);
 
     const long long position = positions.data ? load_integer(positions, batch, token) : position_offset + token;
-    const void* cos_row = static_cast<const char*>(cache.data) + position * cache.row_stride * (cache.dtype == kFloat32 ? 4 : 2);
     const Weight weight = in_q ? q_weight : k_weight, bias = in_q ? q_bias : k_bias;
 #pragma unroll
     for (int item = 0; item < ITEMS; ++item) {
         if (!has[item][0]) continue;
+        const void* cos_row = cache_row<HEAD_CACHE>(cache, batch, position, head[item]);
         const int a = column[item][0];
         const bool neox_pair = !INTERLEAVED && a < half;
         float c[kChunk] = {}, s[kChunk] = {};
