@@ -55,7 +55,8 @@ class OpSpec:
     outputs: tuple = ()
     mutates: tuple = ()
     check_values: Optional[Callable] = None  # (*arguments) -> a plan's per-call check (arguments, pointers), ops.Plan
-    oracle: Optional[Callable] = None  # (named arguments, reference outputs, dtype) -> the float64 expectation; None: the reference's
+    oracle: Optional[Callable] = None  # (named arguments, reference outputs, dtype, stored) -> the float64 expectation; None: the reference's
+    intermediate: Optional[str] = None  # the result that ``oracle`` normalises as stored (``stored``: a backend's)
     conformance: Mapping = dataclasses.field(default_factory=dict)  # case name -> inputs
     bench: tuple = ()  # BenchShape
     default_shape: tuple = ()  # ``ditops explain`` / ``example_arguments`` without a shape
@@ -84,12 +85,14 @@ class OpSpec:
         returns = "()" if self.mutates else "Tensor" if len(self.outputs) == 1 else f"({', '.join(['Tensor'] * len(self.outputs))})"
         return f"({', '.join(arguments)}, str? backend) -> {returns}"
 
-    def expected(self, named: dict, dtype: torch.dtype) -> tuple:
-        """The expected results of a call in float64 (``named``: every argument, widened)."""
+    def expected(self, named: dict, dtype: torch.dtype, stored: Optional[Tensor] = None) -> tuple:
+        """The expected results of a call in float64 (``named``: every argument, widened);
+        ``stored``: the ``intermediate`` as a backend stored it, which the results computed
+        from it then normalise (None: the float64 one rounded once to dtype)."""
         results = self.reference(*named.values())
         results = results if isinstance(results, tuple) else (results,)
         if self.oracle is not None:
-            return self.oracle(named, results, dtype)
+            return self.oracle(named, results, dtype, stored)
         return tuple(t for t in results if t is not None)
 
 
@@ -100,9 +103,10 @@ _SCHEMA_TYPES = {
 }
 
 
-def _stored(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """A float64 intermediate as the op stores it: rounded once to the activations' dtype."""
-    return t.to(dtype).to(torch.float64)
+def _stored(t: Tensor, dtype: torch.dtype, stored: Optional[Tensor] = None) -> Tensor:
+    """A float64 intermediate as the op stores it: rounded once to the activations' dtype, or
+    as a backend stored it (``stored``, widened)."""
+    return (t.to(dtype) if stored is None else stored).to(torch.float64)
 
 
 # Checks: validation (raises ValueError), then the features the dispatcher reads.
@@ -609,51 +613,52 @@ def _typical_heads(shape: tuple, param_dtype: Optional[torch.dtype]) -> HeadSpec
 
 
 # The oracle where an op stores an intermediate and normalises it as stored: rounded to the
-# activations' dtype at the same point, then normalised with the call's own arguments.
+# activations' dtype at the same point (or as a backend stored it: conformance.as_stored), then
+# normalised with the call's own arguments.
 
 
-def _residual_norm_scale_shift_oracle(named: dict, results: tuple, dtype) -> tuple:
+def _residual_norm_scale_shift_oracle(named: dict, results: tuple, dtype, stored=None) -> tuple:
     residual_out = results[1]
-    y = reference.norm_scale_shift(_stored(residual_out, dtype), named["scale"], named["shift"], named["weight"],
+    y = reference.norm_scale_shift(_stored(residual_out, dtype, stored), named["scale"], named["shift"], named["weight"],
                                    named["bias"], named["norm"], named["eps"], named["modulation_index"])
     return y, residual_out
 
 
-def _residual_norm_scale_shift_fp8_oracle(named: dict, results: tuple, dtype) -> tuple:
+def _residual_norm_scale_shift_fp8_oracle(named: dict, results: tuple, dtype, stored=None) -> tuple:
     residual_out = results[2]
     arguments = {key: named[key] for key in ("scale", "shift", "weight", "bias", "norm", "eps", "fp8_dtype", "static_scale",
                                              "modulation_index")}
-    y, y_scale = reference.norm_scale_shift_fp8(_stored(residual_out, dtype), **arguments)
+    y, y_scale = reference.norm_scale_shift_fp8(_stored(residual_out, dtype, stored), **arguments)
     return y, y_scale, residual_out
 
 
-def _residual_norm_scale_shift_select_oracle(named: dict, results: tuple, dtype) -> tuple:
+def _residual_norm_scale_shift_select_oracle(named: dict, results: tuple, dtype, stored=None) -> tuple:
     residual_out = results[1]
     selection = {key: named[key] for key in ("index", *_SETS, "weight", "bias", "eps")}
-    y, gate = reference.norm_scale_shift_select(_stored(residual_out, dtype), **selection)
+    y, gate = reference.norm_scale_shift_select(_stored(residual_out, dtype, stored), **selection)
     return y, residual_out, gate
 
 
-def _residual_norm_scale_shift_select_fp8_oracle(named: dict, results: tuple, dtype) -> tuple:
+def _residual_norm_scale_shift_select_fp8_oracle(named: dict, results: tuple, dtype, stored=None) -> tuple:
     residual_out = results[2]
     selection = {key: named[key] for key in ("index", *_SETS, "weight", "bias", "eps", "fp8_dtype", "static_scale")}
-    y, y_scale, gate = reference.norm_scale_shift_select_fp8(_stored(residual_out, dtype), **selection)
+    y, y_scale, gate = reference.norm_scale_shift_select_fp8(_stored(residual_out, dtype, stored), **selection)
     return y, y_scale, residual_out, gate
 
 
-def _add_gate_norm_scale_oracle(named: dict, results: tuple, dtype) -> tuple:
+def _add_gate_norm_scale_oracle(named: dict, results: tuple, dtype, stored=None) -> tuple:
     out = results[0]
     zero_shift = torch.zeros((), dtype=torch.float64, device=out.device)
-    y = reference.norm_scale_shift(_stored(out, dtype), named["scale"], zero_shift, named["weight2"], named["bias2"],
+    y = reference.norm_scale_shift(_stored(out, dtype, stored), named["scale"], zero_shift, named["weight2"], named["bias2"],
                                    named["norm"], named["eps"])
     return out, y
 
 
-def _add_gate_norm_scale_fp8_oracle(named: dict, results: tuple, dtype) -> tuple:
+def _add_gate_norm_scale_fp8_oracle(named: dict, results: tuple, dtype, stored=None) -> tuple:
     out = results[2]
     zero_shift = torch.zeros((), dtype=torch.float64, device=out.device)
     arguments = {key: named[key] for key in ("norm", "eps", "fp8_dtype", "static_scale")}
-    y, y_scale = reference.norm_scale_shift_fp8(_stored(out, dtype), named["scale"], zero_shift, named["weight2"],
+    y, y_scale = reference.norm_scale_shift_fp8(_stored(out, dtype, stored), named["scale"], zero_shift, named["weight2"],
                                                 named["bias2"], **arguments)
     return y, y_scale, out
 
@@ -1246,12 +1251,13 @@ SPECS = {
                )),
         OpSpec(residual_norm_scale_shift, _check_residual_norm_scale_shift, reference.residual_norm_scale_shift,
                _residual_norm_scale_shift_inputs, outputs=("y", "residual_out"), oracle=_residual_norm_scale_shift_oracle,
+               intermediate="residual_out",
                conformance=ROW_SPECS, bench=_NORM_BENCH + (_LATENCY_ROWS._replace(quick=True),), **_NORMS),
         OpSpec(norm_scale_shift_fp8, _check_norm_scale_shift_fp8, reference.norm_scale_shift_fp8,
                _norm_scale_shift_fp8_inputs, outputs=("y", "y_scale"), **_FP8),
         OpSpec(residual_norm_scale_shift_fp8, _check_residual_norm_scale_shift_fp8, reference.residual_norm_scale_shift_fp8,
                _residual_norm_scale_shift_fp8_inputs, outputs=("y", "y_scale", "residual_out"),
-               oracle=_residual_norm_scale_shift_fp8_oracle, **_FP8),
+               oracle=_residual_norm_scale_shift_fp8_oracle, intermediate="residual_out", **_FP8),
         OpSpec(quantize_fp8, _check_quantize_fp8, reference.quantize_fp8, _quantize_fp8_inputs, outputs=("y", "y_scale"),
                quantized=True, conformance=QUANTIZE_SPECS, bench=_QUANTIZE_BENCH, default_shape=(1, 4608, 12288),
                typical=_typical_rows("layer")),
@@ -1259,20 +1265,21 @@ SPECS = {
                _norm_scale_shift_select_inputs, outputs=("y", "gate_out"), **_SELECTS),
         OpSpec(residual_norm_scale_shift_select, _check_residual_norm_scale_shift_select,
                reference.residual_norm_scale_shift_select, _residual_norm_scale_shift_select_inputs,
-               outputs=("y", "residual_out", "gate_out"), oracle=_residual_norm_scale_shift_select_oracle, **_SELECTS),
+               outputs=("y", "residual_out", "gate_out"), oracle=_residual_norm_scale_shift_select_oracle,
+               intermediate="residual_out", **_SELECTS),
         OpSpec(norm_scale_shift_select_fp8, _check_norm_scale_shift_select_fp8, reference.norm_scale_shift_select_fp8,
                _norm_scale_shift_select_fp8_inputs, outputs=("y", "y_scale", "gate_out"), **_FP8_SELECTS),
         OpSpec(residual_norm_scale_shift_select_fp8, _check_residual_norm_scale_shift_select_fp8,
                reference.residual_norm_scale_shift_select_fp8, _residual_norm_scale_shift_select_fp8_inputs,
                outputs=("y", "y_scale", "residual_out", "gate_out"), oracle=_residual_norm_scale_shift_select_fp8_oracle,
-               **_FP8_SELECTS),
+               intermediate="residual_out", **_FP8_SELECTS),
         OpSpec(add_gate_norm, _check_add_gate_norm, reference.add_gate_norm, _add_gate_norm_inputs, outputs=("out",),
                **_GATE_NORMS),
         OpSpec(add_gate_norm_scale, _check_add_gate_norm_scale, reference.add_gate_norm_scale, _add_gate_norm_scale_inputs,
-               outputs=("out", "y"), oracle=_add_gate_norm_scale_oracle, **_GATE_NORMS),
+               outputs=("out", "y"), oracle=_add_gate_norm_scale_oracle, intermediate="out", **_GATE_NORMS),
         OpSpec(add_gate_norm_scale_fp8, _check_add_gate_norm_scale_fp8, reference.add_gate_norm_scale_fp8,
                _add_gate_norm_scale_fp8_inputs, outputs=("y", "y_scale", "out"), oracle=_add_gate_norm_scale_fp8_oracle,
-               **_FP8_GATE_NORMS),
+               intermediate="out", **_FP8_GATE_NORMS),
         OpSpec(qk_norm_rope_, _check_qk_norm_rope, reference.qk_norm_rope_, _qk_norm_rope_inputs, inputs=HeadSpec, mutates=("q", "k"),
                check_values=_in_place_checks("qk_norm_rope_", ("q_weight", "k_weight", "cos_sin_cache", "positions")),
                conformance={**HEAD_SPECS, **TOKEN_NORM_SPECS, **LAYER_NORM_SPECS, **HEAD_CACHE_SPECS,

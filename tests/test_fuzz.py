@@ -262,7 +262,8 @@ def run_fuzz_case(seed: int, index: int, backend) -> tuple:
             actual = tuple(t for t in (arguments["q"], arguments["k"]) if t is not None)
         else:
             actual = result if isinstance(result, tuple) else (result,)
-        problems = conformance.compare_results(op, actual, expected, dtype, factor)
+        problems = conformance.compare_results(op, actual, conformance.as_stored(op, arguments, dtype, expected, actual),
+                                               dtype, factor)
         if problems:
             return "fail", f"{call}: " + "; ".join(problems)
     return "pass", ""
