@@ -19,6 +19,24 @@ from . import ops
 from .dispatch import fp8_dtypes
 
 
+_NO_BACKWARD = ("ditops FP8 layers (apply(model, quantize=\"fp8\"), Float8Linear, Float8Rows) are for inference and have "
+                "no backward: run the model under torch.no_grad() or torch.inference_mode(), or patch it without "
+                "quantize= to train it")
+
+
+@torch.library.custom_op("ditops::fp8_no_backward", mutates_args=())
+def _no_backward(grad: Tensor) -> Tensor:
+    """Raises when a backward reaches FP8 layers. An op, not a raise in the backward itself, so
+    that torch.compile can trace the backward (its fake returns a gradient) and the error comes
+    when one runs."""
+    raise NotImplementedError(_NO_BACKWARD)
+
+
+@_no_backward.register_fake
+def _(grad: Tensor) -> Tensor:
+    return torch.empty_like(grad)
+
+
 class _InferenceOnly(torch.autograd.Function):
     """The identity, whose backward raises: gradients must not reach FP8 tensors, where autograd
     fails deep inside (an FP8 sum has no kernel) with an error that names no cause."""
@@ -29,17 +47,13 @@ class _InferenceOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        raise NotImplementedError(
-            "ditops FP8 layers (apply(model, quantize=\"fp8\"), Float8Linear, Float8Rows) are for inference and have "
-            "no backward: run the model under torch.no_grad() or torch.inference_mode(), or patch it without "
-            "quantize= to train it")
+        return _no_backward(grad)
 
 
 def inference_only(out: Tensor) -> Tensor:
     """out computed from FP8 rows, marked so that a backward through it raises a clear error: in
-    eager grad mode only (a copy there). Inference is left as it is, and so are compiled graphs:
-    Dynamo traces a backward when it meets the Function, and one that raises breaks fullgraph."""
-    if out.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    grad mode only (a copy there), eager or compiled. Inference is left as it is."""
+    if out.requires_grad and torch.is_grad_enabled():
         return _InferenceOnly.apply(out)
     return out
 

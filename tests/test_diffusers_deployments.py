@@ -423,10 +423,10 @@ def test_an_fp8_model_in_grad_mode_gives_the_no_grad_output_and_refuses_backward
         sample.sum().backward()
 
 
-def test_compiled_fp8_flux_block_in_grad_mode_matches_eager():
+def test_compiled_fp8_flux_block_in_grad_mode_matches_eager_and_refuses_backward():
     """A double block of FP8 FLUX (joint FP8 q/k/v in both streams) under torch.compile(fullgraph=True)
-    in grad mode, within the FP8 compile tolerance of test_fp8.py; under no_grad its graph holds no
-    copy of q and k."""
+    in grad mode, within the FP8 compile tolerance of test_fp8.py, and a backward through it raises
+    the eager call's error; under no_grad its graph holds no copy of q and k."""
     model, inputs = joint_projection_model("flux", "fp8")
     block = model.transformer_blocks[0]
     arguments, keywords = model_runs.block_call(model, inputs, block)
@@ -437,3 +437,6 @@ def test_compiled_fp8_flux_block_in_grad_mode_matches_eager():
     compiled = torch.compile(block, fullgraph=True)(*arguments, **keywords)
     for got, want in zip(compiled, eager):
         assert got.requires_grad and (got.float() - want.float()).norm() / want.float().norm() < 0.05
+    with pytest.raises(NotImplementedError, match=r"for inference and have no backward: run the model under "
+                                                  r"torch.no_grad\(\)"):
+        sum(output.float().sum() for output in compiled).backward()
