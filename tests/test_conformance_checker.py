@@ -99,17 +99,15 @@ def test_the_outputs_of_a_stored_intermediate_are_expected_from_the_backends_int
     assert torch.equal(rederived[where], expected[where])
     y = names.index("y")
     assert not torch.equal(rederived[y], expected[y])  # the flipped element changed its row's norm
-    spec = conformance.SPECS[op]
-    other = {name: value for name, value in arguments.items() if name in inspect.signature(spec.signature).parameters}
     widened = {name: value.double() if torch.is_tensor(value) and value.is_floating_point() else value
-               for name, value in other.items()}
-    shift = arguments.get("shift", torch.zeros((), dtype=torch.float64))
-    scale = arguments["scale"].double()
+               for name, value in arguments.items()}
     if op == "residual_norm_scale_shift":
-        wanted = reference.norm_scale_shift(flipped.double(), scale, shift.double(), widened["weight"], widened["bias"])
-    else:
-        wanted = reference.norm_scale_shift_fp8(flipped.double(), scale, shift.double(), widened["weight2"],
-                                                widened["bias2"], norm=widened["norm"], eps=widened["eps"])[0]
+        wanted = reference.norm_scale_shift(flipped.double(), widened["scale"], widened["shift"], widened["weight"],
+                                            widened["bias"])
+    else:  # add_gate_norm_scale's y has no shift
+        wanted = reference.norm_scale_shift_fp8(flipped.double(), widened["scale"], torch.zeros((), dtype=torch.float64),
+                                                widened["weight2"], widened["bias2"], norm=widened["norm"],
+                                                eps=widened["eps"])[0]
     torch.testing.assert_close(rederived[y], wanted, rtol=0, atol=0)
     unstored = next(c for c in conformance.CASES if c.op == "norm_scale_shift").arguments(torch.bfloat16, "cpu")
     plain = conformance.oracle("norm_scale_shift", unstored, torch.bfloat16)

@@ -129,8 +129,7 @@ def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, strea
     threads, block = SEGMENT // (SEGMENT // chunks), settings["block"]
     arguments = (C_TYPES[dtype], "true" if interleaved else "false", threads, block, _rotary_items(interleaved),
                  "true" if streaming else "false", settings["head_cache_min_blocks" if head_cache else "min_blocks"],
-                 "true" if layer else "false",
-                 "true" if head_cache else "false")
+                 "true" if layer else "false", "true" if head_cache else "false")
     return Instance("rotary.cu", "rotary", arguments, block, threads)
 
 

@@ -15,9 +15,8 @@
 // holds several tokens when heads are few), and slot j of a tensor takes its heads j,
 // j + slots, ... So each token costs one memory round trip, and a thread, which keeps the same
 // columns of one token and one tensor, loads its cos/sin (with a cos/sin row per head, each of
-// its heads') and norm weight once. Calls in the
-// launch table's streaming_stores token range take the instance that stores q and k with the
-// streaming cache hint: the same bits.
+// its heads') and norm weight once. Calls in the launch table's streaming_stores token range
+// take the instance that stores q and k with the streaming cache hint: the same bits.
 #include "memory.cuh"
 #include "reductions.cuh"
 
