@@ -6,11 +6,13 @@
 // the amax covers both parts and the concatenation is never in memory.
 #include "row_tile.cuh"
 
-// 0.5 v (1 + tanh(z)) = v / (1 + exp(-2 z)), z = sqrt(2 / pi) (v + 0.044715 v^3), with the
-// fast exponential and division, as the Triton kernel computes it: IEEE math per value would
-// make the 12288-wide MLP rows compute-bound. v = -Inf gives NaN, as the definition does.
+// 0.5 v (1 + tanh(z)) = v / (1 + exp(-2 z)), z = sqrt(2 / pi) (v + 0.044715 v^3), as the Triton
+// kernel computes it: exp(-2 z) = 2^(v (a v^2 + b)), a and b holding -2 sqrt(2 / pi) (0.044715, 1)
+// / ln 2, and 1 / d as rsqrt(d)^2 (d >= 1): IEEE math per value would make the 12288-wide MLP rows
+// compute-bound. v = -Inf gives NaN, as the definition does.
 __device__ inline float gelu_tanh(float v) {
-    return __fdividef(v, 1.0f + __expf(-1.5957691216057308f * (v + 0.044715f * v * v * v)));
+    const float root = rsqrtf(1.0f + exp2f(v * (v * v * -0.1029432395800235f - 2.302208198144325f)));
+    return v * root * root;
 }
 
 template <typename T, typename Y, bool GELU, bool PREFIX, int ROW_THREADS, int CHUNKS, int BLOCK, int MIN_BLOCKS>
