@@ -249,6 +249,13 @@ def test_rotary_head_blocks(monkeypatch):
     # q and k get a program each in calls of at most split_max_tokens tokens
     assert [launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).split for tokens in (1, 512, 513)] == [True, True, False]
     assert not launch.rotary_launch(128, 128, 24, 0, 2, 128, ("cuda",)).split  # rope_ without k: one program a token
+    # norm="layer" takes the entry's layer_norm settings where it has them
+    assert launch.rotary_launch(64, 64, 48, 48, 2, 4096, ("cuda",), layer_norm=True)[:2] == (64, 64)  # none: as RMS
+    settings["rotary"]["cuda"]["layer_norm"] = {"num_warps": 2, "one_pass_elements": 2048}
+    layer = launch.rotary_launch(64, 64, 48, 48, 2, 4096, ("cuda",), layer_norm=True)
+    assert (layer.q_block_heads, layer.k_block_heads, layer.num_warps) == (32, 32, 2)  # 64 x 64 > 2048: 2048-value blocks
+    rms = launch.rotary_launch(64, 64, 48, 48, 2, 4096, ("cuda",))
+    assert (rms.q_block_heads, rms.k_block_heads, rms.num_warps) == (64, 64, 4)
     # a cache hint for the stores of calls in a token range, where the table has one
     assert {launch.rotary_launch(128, 128, 24, 24, 2, tokens, ("cuda",)).store_eviction for tokens in (1, 4096)} == {""}
     settings["rotary"]["cuda"]["evict_first_stores"] = {"min_tokens": 513, "max_tokens": 16384}

@@ -246,7 +246,7 @@ def _rotary(q, k, q_weight, k_weight, cos_sin_cache, positions, interleaved, eps
     _, _, k_out_batch_stride, k_out_token_stride = tokens_of(k_out) if k is not None else (0, 0, 0, 0)
     head_size, rotary_dim = q.shape[-1], cos_sin_cache.shape[-1]
     launch = rotary_launch(head_size, rotary_dim, q.shape[-2], k.shape[-2] if k is not None else 0, q.element_size(),
-                           batch * tokens, settings_of(q), token_norm)
+                           batch * tokens, settings_of(q), token_norm, norm == "layer")
     positions_batch_stride, positions_token_stride = _token_strides(positions) if positions is not None else (0, 0)
     return KernelLaunch(rotary_kernel, (batch * tokens, 2 if launch.split else 1), (
         q, q_batch_stride, q_token_stride, q.shape[-2],

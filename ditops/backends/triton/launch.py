@@ -144,7 +144,7 @@ class RotaryLaunch(NamedTuple):
 
 
 def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, element_size: int, tokens: int,
-                  owners: tuple, token_norm: bool = False) -> RotaryLaunch:
+                  owners: tuple, token_norm: bool = False, layer_norm: bool = False) -> RotaryLaunch:
     """A head block for q and one for k (k_heads 0: no k). A token's heads go in one pass when
     their tile holds at most one_pass_elements values, else in blocks of about tile_elements.
     A block is never narrower than what gives every thread a 16-byte load of the head tile of
@@ -155,8 +155,11 @@ def rotary_launch(head_size: int, rotary_dim: int, q_heads: int, k_heads: int, e
     more programs. Calls of evict_first_stores' token range store with evict_first: a cache
     hint, the same operations and bits. token_norm (an RMSNorm over all heads of a token): each
     tensor's heads in one block whatever its size, at the num_warps of the first token_norm
-    class whose max_hidden is at least the call's D, the wider of Hq * Dh and Hk * Dh."""
+    class whose max_hidden is at least the call's D, the wider of Hq * Dh and Hk * Dh. layer_norm
+    (norm="layer"): the entry's layer_norm settings, where it has them, replace its own."""
     entry = _entry("rotary", owners)
+    if layer_norm:
+        entry = {**entry, **entry.get("layer_norm", {})}
     half_head, half_tail = _head_and_tail(rotary_dim // 2)
     block_rest = triton.next_power_of_2(max(head_size - rotary_dim, 1))
     per_head = 2 * (half_head + half_tail) + (block_rest if head_size > rotary_dim else 0)
