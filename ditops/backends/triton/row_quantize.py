@@ -18,7 +18,7 @@ def _gelu_tanh(v):
     exp(-2 z) = 2^(v (a v^2 + b)) (a and b hold -2 sqrt(2 / pi) (0.044715, 1) / ln 2) and 1 / d as
     rsqrt(d)^2 (d >= 1; within a few ulp): tanh has no portable Triton primitive, and against a
     natural exponential and an approximate division this is 7 fewer instructions a value, where
-    the 12288-14336-wide MLP rows are compute-bound (launch settings: triton_launch.yaml).
+    the GELU rows of 8960-15360 values are compute-bound (launch settings: triton_launch.yaml).
     v = -Inf gives NaN, as the definition does."""
     root = tl.math.rsqrt(1.0 + tl.exp2(v * (v * v * -0.1029432395800235 - 2.302208198144325)))
     return v * root * root
