@@ -27,7 +27,7 @@ DOCUMENTS = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
 BENCH = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-26.json", "H200": RESULTS / "NVIDIA-H200_2026-11-26.json"}
 # A GPU's model rows may come from several runs (files); a model's rows come from one of them.
 MODELS = {"H100": (RESULTS / "models_H100_2026-11-27.json",),
-          "H200": (RESULTS / "models_H200_2026-11-25.json", RESULTS / "models_H200_2026-11-28.json")}
+          "H200": (RESULTS / "models_H200_2026-11-29.json", RESULTS / "models_H200_2026-11-28.json")}
 MULTIGPU = {"H100x2": RESULTS / "multigpu_H100x2_2026-11-25.json", "H200x2": RESULTS / "multigpu_H200x2_2026-11-28.json"}
 # the FP8 ops' and qk_norm_rope_'s `ditops bench --ops` runs
 BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-28.json", "H200": RESULTS / "NVIDIA-H200_2026-11-28.json"}

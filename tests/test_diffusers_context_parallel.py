@@ -128,8 +128,13 @@ def check(device, dtype, parallel: str, backend, real_width=False, quantize=None
     run reorders sums in attention, so the bar is the one the benchmark states: the error
     against the one-process unpatched run at most 1.5x the larger of the unpatched parallel
     run's and ditops' own one-process error (whatever ditops rounds differently, the parallel
-    split must not add to it). With ``quantize="fp8"`` the parallel run must match ditops' own
-    one-process FP8 run (scales are per token, so the split changes none) within FP8_TOLERANCE."""
+    split must not add to it). With ``quantize="fp8"`` in float32 the parallel run must match
+    ditops' own one-process FP8 run (scales are per token, so the split changes none) within
+    FP8_TOLERANCE. In bfloat16 the split's reordered attention sums round differently and FP8
+    codes near a rounding boundary then flip (2 H200s: Helios' 40 tiny layers took the parallel
+    FP8 run 3.3e-2 from the one-process one, both about 4e-2 from the bfloat16 one), so the FP8
+    run takes the bfloat16 bar: its error against the one-process unpatched run at most 1.5x
+    the larger of the unpatched parallel run's and ditops' one-process FP8 error."""
     from diffusers import ContextParallelConfig
 
     calls = record_attention_calls()
@@ -137,16 +142,14 @@ def check(device, dtype, parallel: str, backend, real_width=False, quantize=None
     lines, failures = [], []
     for name in BUILDERS:
         model, inputs, blocks = build(name, device, dtype, backend, real_width)
-        expected = run(model, inputs)  # one process, no parallelism
+        reference = run(model, inputs)  # one process, no parallelism
         integration.apply(model, quantize=quantize)
         single = run(model, inputs)
-        single_error = relative_error(single, expected)  # ditops in one process
+        single_error = relative_error(single, reference)  # ditops in one process
         integration.remove(model)
-        if quantize is not None:
-            expected = single
         model.enable_parallelism(config=ContextParallelConfig(**{f"{parallel}_degree": degree}))
         calls.clear()
-        baseline_error = relative_error(run(model, inputs), expected)  # unpatched, in parallel
+        baseline_error = relative_error(run(model, inputs), reference)  # unpatched, in parallel
         expected_calls = list(calls)
         if not any(expected_calls):
             failures.append(f"{name}: no attention call got the parallel config without ditops")
@@ -159,18 +162,21 @@ def check(device, dtype, parallel: str, backend, real_width=False, quantize=None
                 integration.apply(model, quantize=quantize)
             calls.clear()
             patched = run(model, inputs)
-            error = relative_error(patched, expected)
+            error = relative_error(patched, reference)
+            fp8_error = relative_error(patched, single)  # against ditops' one-process run
             lines.append(f"{name:15} {parallel}{degree} {order:25} cp calls {sum(calls)}/{len(calls)} "
                          f"rel_err {error:.2e} (unpatched parallel {baseline_error:.2e}, ditops one process "
-                         f"{single_error:.2e})")
+                         f"{single_error:.2e}" + (f"; {quantize} one process to parallel {fp8_error:.2e})"
+                                                  if quantize else ")"))
             if calls != expected_calls:
                 failures.append(f"{name}, {order}: calls with the parallel config {calls}, wanted {expected_calls}")
-            if quantize is not None:
-                if not error <= FP8_TOLERANCE:  # also catches NaN
-                    failures.append(f"{name}, {order}: rel_err {error:.2e} against ditops' one-process {quantize} run")
+            if dtype == torch.float32 and quantize is not None:
+                if not fp8_error <= FP8_TOLERANCE:  # also catches NaN
+                    failures.append(f"{name}, {order}: rel_err {fp8_error:.2e} against ditops' one-process "
+                                    f"{quantize} run")
             elif dtype == torch.float32:
                 tolerance = TOLERANCE[dtype] * blocks
-                if not torch.allclose(patched, expected, atol=tolerance, rtol=tolerance):
+                if not torch.allclose(patched, reference, atol=tolerance, rtol=tolerance):
                     failures.append(f"{name}, {order}: not within {tolerance} of the one-process run (rel_err {error:.2e})")
             elif not error <= 1.5 * max(baseline_error, single_error):  # also catches NaN
                 failures.append(f"{name}, {order}: rel_err {error:.2e} > 1.5x max(unpatched parallel "
