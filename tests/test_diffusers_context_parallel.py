@@ -163,16 +163,17 @@ def check(device, dtype, parallel: str, backend, real_width=False, quantize=None
             calls.clear()
             patched = run(model, inputs)
             error = relative_error(patched, reference)
-            fp8_error = relative_error(patched, single)  # against ditops' one-process run
+            detail = f"unpatched parallel {baseline_error:.2e}, ditops one process {single_error:.2e}"
+            if quantize is not None:
+                quantized_error = relative_error(patched, single)  # against ditops' one-process run
+                detail += f"; {quantize} one process to parallel {quantized_error:.2e}"
             lines.append(f"{name:15} {parallel}{degree} {order:25} cp calls {sum(calls)}/{len(calls)} "
-                         f"rel_err {error:.2e} (unpatched parallel {baseline_error:.2e}, ditops one process "
-                         f"{single_error:.2e}" + (f"; {quantize} one process to parallel {fp8_error:.2e})"
-                                                  if quantize else ")"))
+                         f"rel_err {error:.2e} ({detail})")
             if calls != expected_calls:
                 failures.append(f"{name}, {order}: calls with the parallel config {calls}, wanted {expected_calls}")
             if dtype == torch.float32 and quantize is not None:
-                if not fp8_error <= FP8_TOLERANCE:  # also catches NaN
-                    failures.append(f"{name}, {order}: rel_err {fp8_error:.2e} against ditops' one-process "
+                if not quantized_error <= FP8_TOLERANCE:  # also catches NaN
+                    failures.append(f"{name}, {order}: rel_err {quantized_error:.2e} against ditops' one-process "
                                     f"{quantize} run")
             elif dtype == torch.float32:
                 tolerance = TOLERANCE[dtype] * blocks
