@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 import ditops.backends.triton as triton_backend
 from ditops import conformance
 from conftest import script_module
-from ditops.backends.triton import launch
+from ditops.backends.triton import launch, row_math
 from ditops.dispatch import current_device, fp8_dtypes, simulated_device
 from ditops.examples import example_arguments
 from ditops.ops import OPS, ordered_arguments
@@ -146,10 +147,12 @@ def specializations(arch: str) -> tuple:
         vendor = "cuda" if arch.startswith("sm_") else "rocm"
         with simulated_device(arch):
             # as tabled; with the long calls' launches (conformance cases are all short calls);
-            # with a row loop (pipelined, modulation hoisted) on every row kernel, where the
-            # vendor's launch table has row loops (NVIDIA; AMD has none)
-            looped = [row_loop_everywhere(2, 3)] if vendor == "cuda" else []
-            for table in ({}, long_calls(), *looped):
+            # with a row loop (pipelined, modulation hoisted) on every row kernel where the vendor's
+            # launch table has row loops (NVIDIA), and with folded reductions in every modulated-norm
+            # kernel on the architecture whose entries fold (sm_90: the H200's)
+            extra = [row_loop_everywhere(2, 3)] if vendor == "cuda" else []
+            extra += [folded_everywhere()] if arch == "sm_90" else []
+            for table in ({}, long_calls(), *extra):
                 with launch_table(**table):
                     for _ in _launch_every_case():
                         pass
@@ -165,7 +168,7 @@ def test_every_kernel_and_option_is_exercised():
     constants = [dict(constants) for _, _, constants, _ in found]
     for flag in ("RMS", "HAS_RESIDUAL", "HAS_GATE", "HAS_WEIGHT", "HAS_BIAS", "TANH_GATE", "HAS_SCALE", "NORM", "INTERLEAVED",
                  "HAS_POSITIONS", "HAS_K", "EARLY_LOADS", "HOIST", "SPLIT", "QUANT", "HAS_STATIC_SCALE", "GELU", "TABLE",
-                 "LAYER", "HAS_Q_BIAS", "HAS_K_BIAS", "HEAD_CACHE"):
+                 "LAYER", "HAS_Q_BIAS", "HAS_K_BIAS", "HEAD_CACHE", "FOLD"):
         assert {c[flag] for c in constants if flag in c} == {True, False}, flag
 
 
@@ -232,7 +235,7 @@ def test_rotary_head_blocks(monkeypatch):
     most one_pass_elements values, else blocks of about tile_elements; never narrower than a
     16-byte load per thread of the pairs' head tile (a 2-head k block made GQA rope_ 14% slower).
     Pairs of a head tile and a tail tile (R/2 not a power of two) run at tail_num_warps."""
-    from ditops.backends.triton import launch
+    from ditops.backends.triton import launch, row_math
 
     settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4, "tail_num_warps": 2,
                                     "split_max_tokens": 512}}}
@@ -361,8 +364,75 @@ def test_a_row_loop_changes_no_result(monkeypatch):
             assert conformance._bitwise_equal(a, b), (case.id, dtype)
 
 
+FOLDED_TABLES = ("modulated_norm", "residual_norm", "modulated_norm_fp8", "residual_norm_fp8")  # modulated_norm.py's
+
+
+def folded_everywhere() -> dict:
+    """Launch-table entries folding the reductions (fold_reductions) in every entry of the
+    tables whose kernel takes it, on every device."""
+    return {kernel: {owner: [dict(entry, fold_reductions=True) for entry in entries]
+                     for owner, entries in launch._settings()[kernel].items()}
+            for kernel in FOLDED_TABLES}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter check: on a GPU, the conformance run covers the tables' folds")
+def test_folded_reductions_meet_the_oracle(monkeypatch):
+    """fold_reductions (row_math.row_sum) reorders a row's sums: with it in every entry of the
+    tables whose kernel takes it, every norm_scale_shift and residual_norm_scale_shift
+    conformance case still meets the float64 oracle (float32 and float16 in the interpreter,
+    which rounds bfloat16 its own way and converts to FP8 wrongly). The FP8 forms share these
+    sums, and their folded amax is the amax (test_folded_amax_is_the_amax); the tables' own
+    folds (the H200's) run in the GPU conformance run."""
+    seen = []
+
+    def recording(*arguments):
+        seen.append(launch.row_launch(*arguments).fold)
+        return launch.row_launch(*arguments)
+
+    monkeypatch.setattr(triton_backend, "row_launch", recording)
+    failures = []
+    with simulated_device("sm_90"), launch_table(**folded_everywhere()):
+        for case in conformance.CASES:
+            for dtype in (torch.float32, torch.float16) if case.op in ("norm_scale_shift", "residual_norm_scale_shift") else ():
+                outcome = conformance.run_case(case, "triton", dtype, "cpu", automatic=False)
+                if outcome.status == "fail":
+                    failures.append(f"{case.id} {dtype}: {outcome.detail}")
+    assert seen and all(seen), "the launches did not fold"
+    assert not failures, "\n".join(failures)
+
+
+@triton.jit
+def _amax_kernel(values, out, BLOCK: tl.constexpr, TAIL: tl.constexpr, FOLD: tl.constexpr):
+    rows = tl.arange(0, 2)[:, None]
+    head = tl.load(values + rows * (BLOCK + TAIL) + tl.arange(0, BLOCK)[None, :])
+    tail = tl.load(values + rows * (BLOCK + TAIL) + BLOCK + tl.arange(0, TAIL)[None, :])
+    tl.store(out + rows, row_math.row_amax_bits(head, tail, FOLD))
+
+
+@pytest.mark.parametrize("block, tail", [(64, 32), (64, 16), (32, 32), (16, 1)])
+def test_folded_amax_is_the_amax(block, tail):
+    """row_amax_bits folded and not: the same bits (a maximum has no order), NaN above Inf above
+    every finite magnitude, whichever tile holds them."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    values = torch.randn(2, block + tail, device=device)
+    values[0, block + tail - 1] = -float("inf")  # in the tail (the head's last column where tail is 1)
+    values[1, 3] = float("nan")
+    for fold in (False, True):
+        out = torch.empty(2, 1, dtype=torch.int32, device=device)
+        _amax_kernel[(1,)](values, out, BLOCK=block, TAIL=tail, FOLD=fold)
+        assert out[0].item() == 0x7F800000 and out[1].item() > 0x7F800000, (fold, out)
+    finite = torch.randn(2, block + tail, device=device)
+    results = []
+    for fold in (False, True):
+        out = torch.empty(2, 1, dtype=torch.int32, device=device)
+        _amax_kernel[(1,)](finite, out, BLOCK=block, TAIL=tail, FOLD=fold)
+        results.append(out)
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0].view(torch.float32)[:, 0], finite.abs().amax(dim=1))
+
+
 def test_row_grid_loops_only_over_invariant_modulation():
-    looped = launch.RowLaunch(1024, 1, 4, 1, False, programs_per_sm=4, stages=3)
+    looped = launch.RowLaunch(1024, 1, 4, 1, False, False, programs_per_sm=4, stages=3)
     plain = looped._replace(programs_per_sm=0)
     x = torch.empty(0)  # a CPU tensor counts one multiprocessor
     assert launch.row_grid(plain, x, 2, 100, True) == launch.RowGrid((100, 2), False, 1)

@@ -93,7 +93,8 @@ def _modulated_norm(x, residual, gate, scale, shift, weight, bias, norm, eps, mo
         RMS=norm == "rms", HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, TABLE=tables,
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
-        EARLY_LOADS=launch.early_loads, HOIST=grid.hoist, STAGES=grid.stages, num_warps=launch.num_warps,
+        EARLY_LOADS=launch.early_loads, HOIST=grid.hoist, STAGES=grid.stages, FOLD=launch.fold,
+        num_warps=launch.num_warps,
     ))
 
 

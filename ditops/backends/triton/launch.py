@@ -70,6 +70,7 @@ class RowLaunch(NamedTuple):
     tail: int  # the tail tile: the next power of two of D - block (1, all masked, where D is one)
     num_warps: int
     rows_per_program: int
+    fold: bool  # a row's sums and maxima folded over its two tiles before one reduction (row_math.row_sum)
     early_loads: bool  # every load issued before the first store (row_math.py)
     programs_per_sm: int  # a row loop (row_loop below) of this many programs per SM; 0: none
     stages: int  # how many blocks of rows a row loop's loads run ahead, plus one
@@ -78,8 +79,8 @@ class RowLaunch(NamedTuple):
 def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     """Settings of a row kernel (an entry of ROW_TABLES: "modulated_norm", its residual form
     "residual_norm", "selected_modulation_norm", "gated_add_norm", "row_quantize", "<kernel>_fp8")
-    for rows of D = hidden on a device whose settings are owners' (settings_of). num_warps and
-    rows_per_program, which set how a row is reduced, depend on D and the device alone;
+    for rows of D = hidden on a device whose settings are owners' (settings_of). num_warps,
+    rows_per_program and fold_reductions, which set how a row is reduced, depend on D and the device alone;
     early_loads and the row loop (row_grid), which only reorder loads and programs, also on
     the number of rows."""
     block, tail = row_tiles(hidden)
@@ -87,10 +88,10 @@ def row_launch(kernel: str, rows: int, hidden: int, owners: tuple) -> RowLaunch:
     for entry in _entry(kernel, owners):
         if hidden <= entry["max_hidden"]:
             loop = entry.get("row_loop")
+            reduction = (entry["num_warps"], entry["rows_per_program"], entry.get("fold_reductions", False))
             if loop is None or not loop.get("min_rows", 0) <= rows <= loop.get("max_rows", rows):
-                return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads, 0, 1)
-            return RowLaunch(block, tail, entry["num_warps"], entry["rows_per_program"], early_loads,
-                             loop["programs_per_sm"], loop["stages"])
+                return RowLaunch(block, tail, *reduction, early_loads, 0, 1)
+            return RowLaunch(block, tail, *reduction, early_loads, loop["programs_per_sm"], loop["stages"])
     raise ValueError(f"no Triton launch setting for rows of {hidden}; the registry's max_hidden_size should refuse them")
 
 

@@ -51,7 +51,7 @@ def modulated_norm_kernel(
     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, TABLE: tl.constexpr,
     BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
-    HOIST: tl.constexpr, STAGES: tl.constexpr,
+    HOIST: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr,
 ):
     batch = tl.program_id(1).to(tl.int64)
     if HOIST:  # gate, scale and shift are the same for every token of the batch item: loaded once
@@ -102,7 +102,7 @@ def modulated_norm_kernel(
                 gate_tail = _gate(gate, gate_batch_stride, gate_group_stride, gate_group_size, GATE_DIM_STRIDE,
                                   batch, group, tail, tail_mask, HAS_GATE)
             v_tail = store_rows(residual_out, row, hidden, previous_tail + v_tail * gate_tail, tail, tail_mask)
-        v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, RMS)
+        v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, RMS, FOLD)
         if not (EARLY_LOADS or HOIST):
             m, a = _terms(weight, bias, scale, scale_batch_stride, scale_group_stride, scale_group_size,
                           SCALE_DIM_STRIDE, shift, shift_batch_stride, shift_group_stride, shift_group_size,
@@ -116,6 +116,6 @@ def modulated_norm_kernel(
                                     SHIFT_DIM_STRIDE, batch, group, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
         if QUANT:  # the row's amax needs both tiles before either is stored
             store_quantized(y, y_scale, static_scale, row, hidden, out, v_tail * m_tail + a_tail, head, head_mask, tail,
-                            tail_mask, written, FP8_MAX, HAS_STATIC_SCALE)
+                            tail_mask, written, FP8_MAX, HAS_STATIC_SCALE, FOLD)
         else:
             store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)

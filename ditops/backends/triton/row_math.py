@@ -92,19 +92,36 @@ def load_modulation(pointer, batch, token, batch_stride, group_stride, group_siz
 
 
 @triton.jit
-def normalize(head, tail, head_mask, tail_mask, hidden, eps, RMS: tl.constexpr):
+def _folded(head, tail):
+    """head [ROWS, BLOCK] as [ROWS, BLOCK // TAIL, TAIL] (TAIL <= BLOCK, both powers of two)."""
+    return tl.reshape(head, [head.shape[0], head.shape[1] // tail.shape[1], tail.shape[1]])
+
+
+@triton.jit
+def row_sum(head, tail, FOLD: tl.constexpr):
+    """Each row's sum over its head and tail tiles, [ROWS, 1]. FOLD: the head's columns j, j +
+    TAIL, ... are added into the tail's column j first, so that a row is one reduction across
+    threads, not one per tile (each a round of lane exchanges and, with several warps, barriers);
+    the sum's order differs, so the launch table chooses it by D and device (launch.py)."""
+    if FOLD:
+        return tl.sum(tl.sum(_folded(head, tail), axis=1) + tail, axis=1)[:, None]
+    return (tl.sum(head, axis=1) + tl.sum(tail, axis=1))[:, None]
+
+
+@triton.jit
+def normalize(head, tail, head_mask, tail_mask, hidden, eps, RMS: tl.constexpr, FOLD: tl.constexpr = False):
     """LayerNorm (biased variance) or RMSNorm of each float32 row held as head and tail (zeros
-    where masked), before any affine. eps is cast to float32: Inductor passes a Python float
-    as float64 (Triton's own launch as float32), which made every value after it float64
-    and the kernel much slower inside compiled graphs."""
+    where masked), before any affine; FOLD: row_sum's. eps is cast to float32: Inductor passes
+    a Python float as float64 (Triton's own launch as float32), which made every value after it
+    float64 and the kernel much slower inside compiled graphs."""
     eps = tl.cast(eps, tl.float32)  # not eps.to: where Inductor analyses the kernel, eps is a Python float
     if RMS:
-        inverse = tl.rsqrt((tl.sum(head * head, axis=1) + tl.sum(tail * tail, axis=1))[:, None] / hidden + eps)
+        inverse = tl.rsqrt(row_sum(head * head, tail * tail, FOLD) / hidden + eps)
     else:
-        mean = (tl.sum(head, axis=1) + tl.sum(tail, axis=1))[:, None] / hidden
+        mean = row_sum(head, tail, FOLD) / hidden
         head = tl.where(head_mask, head - mean, 0.0)
         tail = tl.where(tail_mask, tail - mean, 0.0)
-        inverse = tl.rsqrt((tl.sum(head * head, axis=1) + tl.sum(tail * tail, axis=1))[:, None] / hidden + eps)
+        inverse = tl.rsqrt(row_sum(head * head, tail * tail, FOLD) / hidden + eps)
     return head * inverse, tail * inverse
 
 
@@ -137,6 +154,16 @@ def amax_bits(values):
 
 
 @triton.jit
+def row_amax_bits(head, tail, FOLD: tl.constexpr):
+    """amax_bits of rows held as head and tail tiles; FOLD: folded as row_sum's (a maximum's
+    order does not change it)."""
+    if FOLD:
+        head = tl.max(_folded(head.to(tl.int32, bitcast=True) & 0x7FFFFFFF, tail), axis=1)
+        return tl.max(tl.maximum(head, tail.to(tl.int32, bitcast=True) & 0x7FFFFFFF), axis=1)[:, None]
+    return tl.maximum(amax_bits(head), amax_bits(tail))
+
+
+@triton.jit
 def row_scale(bits, static_scale, FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr):
     """The float32 scale of rows whose amax_bits are ``bits`` (backends/reference's
     _quantize_rows is the definition): dynamic, the amax over FP8_MAX, floored at
@@ -157,10 +184,10 @@ def store_fp8(pointer, values, inverse, mask, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def store_quantized(y, y_scale, static_scale, row, hidden, values, values_tail, head, head_mask, tail, tail_mask,
-                    written, FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr):
+                    written, FP8_MAX: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr, FOLD: tl.constexpr = False):
     """Rows held as head and tail (zeros where masked), stored as FP8 values with one float32
-    scale per row (row_scale) where ``written`` (row_tile's: the call's rows)."""
-    scale = row_scale(tl.maximum(amax_bits(values), amax_bits(values_tail)), static_scale, FP8_MAX, HAS_STATIC_SCALE)
+    scale per row (row_scale) where ``written`` (row_tile's: the call's rows); FOLD: row_sum's."""
+    scale = row_scale(row_amax_bits(values, values_tail, FOLD), static_scale, FP8_MAX, HAS_STATIC_SCALE)
     inverse = 1.0 / scale  # one division per row: an IEEE division per value made the kernel compute-bound
     store_fp8(y + row * hidden + head, values, inverse, head_mask, FP8_MAX)
     store_fp8(y + row * hidden + tail, values_tail, inverse, tail_mask, FP8_MAX)
