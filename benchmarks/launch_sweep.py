@@ -3,8 +3,9 @@ ditops/configs/triton_launch.yaml are chosen, and how to check them on another G
 --token-norm, those of the compiled token-norm RoPE kernel).
 
 Each setting replaces every row kernel's entries in the launch table for the run (num_warps,
-rows per program, and a row loop of programs_per_sm x stages, 0x1 for none), then the op is
-timed through its public call with the Triton backend (its real call path; CUDA-graph replay
+rows per program, a row loop of programs_per_sm x stages, 0x1 for none, and fold_reductions,
+1 for folded row reductions, which only the modulated-norm kernel takes), then the op is timed
+through its public call with the Triton backend (its real call path; CUDA-graph replay
 over input sets larger than the L2 cache, as `ditops bench`), beside the launch table as it is
 and the same-size copy. A row loop runs only where the call's modulation is the same for every
 token of a batch item (launch.row_grid); elsewhere that setting times the plain grid.
@@ -15,7 +16,7 @@ ditops/configs/compiled_launch.yaml for the run, timed with the cuda backend at 
 token-norm cases.
 
 Usage: python benchmarks/launch_sweep.py --ops norm_scale_shift_fp8 --shapes Wan \\
-           --warps 1 2 4 --rows 1 2 --loops 0x1 4x3 8x3 [--output FILE.json]
+           --warps 1 2 4 --rows 1 2 --loops 0x1 4x3 8x3 [--folds 0 1] [--output FILE.json]
        python benchmarks/launch_sweep.py --token-norm 64x3 128x2 128x4 128x5 256x2 [--output FILE.json]
 """
 
@@ -35,14 +36,15 @@ from ditops.bench.cases import CASES, minimum_bytes
 from ditops.dispatch import reset
 from ditops.ops import PUBLIC
 
-def table_with(settings: dict, num_warps: int, rows_per_program: int, loop: tuple) -> dict:
+def table_with(settings: dict, num_warps: int, rows_per_program: int, loop: tuple, fold: bool = False) -> dict:
     """The launch table with every row kernel's entries, for every device class and vendor, set
     to one launch setting (their max_hidden classes kept)."""
     programs_per_sm, stages = loop
     row_loop = {"row_loop": dict(programs_per_sm=programs_per_sm, stages=stages)} if programs_per_sm else {}
 
     def entry(old: dict) -> dict:
-        return dict(max_hidden=old["max_hidden"], num_warps=num_warps, rows_per_program=rows_per_program, **row_loop)
+        return dict(max_hidden=old["max_hidden"], num_warps=num_warps, rows_per_program=rows_per_program,
+                    fold_reductions=fold, **row_loop)
 
     return dict(settings, **{kernel: {owner: [entry(old) for old in entries] for owner, entries in settings[kernel].items()}
                              for kernel in launch.ROW_TABLES})
@@ -117,15 +119,17 @@ def sweep_rows(options) -> list:
         if case.op not in options.ops or not any(s in case.model or s in case.shape for s in options.shapes):
             continue
         inputs, copy, tabled = baseline(case, "triton")
-        for warps, rows, loop in itertools.product(options.warps, options.rows, loops):
+        for warps, rows, loop, fold in itertools.product(options.warps, options.rows, loops, options.folds):
+            setting = f"num_warps {warps:2d} rows {rows} loop {loop[0]}x{loop[1]} fold {fold}"
             try:
-                us = time_case(case, inputs, table_with(settings, warps, rows, loop))
+                us = time_case(case, inputs, table_with(settings, warps, rows, loop, bool(fold)))
             except Exception as error:  # e.g. Triton's OutOfResources: a setting the GPU cannot run
-                print(f"  num_warps {warps:2d} rows {rows} loop {loop[0]}x{loop[1]}: failed: {error!r:.200}")
+                print(f"  {setting}: failed: {error!r:.200}")
                 continue
             results.append(dict(op=case.op, model=case.model, shape=case.shape, num_warps=warps, rows_per_program=rows,
-                                row_loop=f"{loop[0]}x{loop[1]}", us=us, tabled_us=tabled, same_size_copy_us=copy))
-            print(f"  num_warps {warps:2d} rows {rows} loop {loop[0]}x{loop[1]}: {us:8.1f} us "
+                                row_loop=f"{loop[0]}x{loop[1]}", fold_reductions=bool(fold), us=us, tabled_us=tabled,
+                                same_size_copy_us=copy))
+            print(f"  {setting}: {us:8.1f} us "
                   f"({100 * copy / us:.0f}% of the copy, {tabled / us:.2f}x the table's)", flush=True)
     return results
 
@@ -139,6 +143,7 @@ def main() -> None:
     parser.add_argument("--warps", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--rows", nargs="+", type=int, default=[1], help="rows per program")
     parser.add_argument("--loops", nargs="+", default=["0x1"], help="row loops, programs_per_sm x stages; 0x1: none")
+    parser.add_argument("--folds", nargs="+", type=int, choices=(0, 1), default=[0], help="fold_reductions off (0), on (1)")
     parser.add_argument("--output", type=Path)
     options = parser.parse_args()
     if options.token_norm:

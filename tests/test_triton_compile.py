@@ -526,19 +526,19 @@ def test_a_row_loop_runs_only_for_calls_within_its_row_range():
 
 def test_the_launch_sweep_sets_every_row_table_to_one_setting():
     """benchmarks/launch_sweep.py's table: each row kernel's entries carry the setting swept
-    (and its row loop, or none), their max_hidden classes kept."""
+    (its row loop or none, its fold or none), their max_hidden classes kept."""
     sweep = script_module("benchmarks/launch_sweep.py")
     settings = launch._settings()
-    for loop, expected in (((4, 3), (4, 3)), ((0, 1), (0, 1))):
-        table = sweep.table_with(settings, 2, 1, loop)
+    for loop, expected, fold in (((4, 3), (4, 3), True), ((0, 1), (0, 1), False)):
+        table = sweep.table_with(settings, 2, 1, loop, fold)
         with launch_table(**table):
             for kernel in launch.ROW_TABLES:
                 for owner, entries in table[kernel].items():
                     assert [e["max_hidden"] for e in entries] == [e["max_hidden"] for e in settings[kernel][owner]]
                     owners = (owner,) if owner in ("cuda", "rocm") else (owner, "cuda")  # a device class, then its vendor
                     chosen = launch.row_launch(kernel, 100, 3072, owners)
-                    assert (chosen.num_warps, chosen.rows_per_program, chosen.programs_per_sm, chosen.stages) == (
-                        2, 1, *expected), (kernel, owner)
+                    assert (chosen.num_warps, chosen.rows_per_program, chosen.programs_per_sm, chosen.stages,
+                            chosen.fold) == (2, 1, *expected, fold), (kernel, owner)
 
 
 def test_the_token_norm_sweep_gives_every_width_the_setting_swept(monkeypatch):
