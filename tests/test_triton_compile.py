@@ -235,7 +235,7 @@ def test_rotary_head_blocks(monkeypatch):
     most one_pass_elements values, else blocks of about tile_elements; never narrower than a
     16-byte load per thread of the pairs' head tile (a 2-head k block made GQA rope_ 14% slower).
     Pairs of a head tile and a tail tile (R/2 not a power of two) run at tail_num_warps."""
-    from ditops.backends.triton import launch, row_math
+    from ditops.backends.triton import launch
 
     settings = {"rotary": {"cuda": {"one_pass_elements": 4096, "tile_elements": 2048, "num_warps": 4, "tail_num_warps": 2,
                                     "split_max_tokens": 512}}}
