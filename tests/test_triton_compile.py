@@ -127,13 +127,18 @@ def long_calls() -> dict:
     return dict(early_loads_max_rows={"cuda": 0, "rocm": 0}, rotary=rotary)
 
 
+def every_entry_with(kernels: tuple, **changes) -> dict:
+    """Launch-table entries of the kernels' tables, every entry of every device with changes."""
+    return {kernel: {owner: [dict(entry, **changes) for entry in entries]
+                     for owner, entries in launch._settings()[kernel].items()}
+            for kernel in kernels}
+
+
 def row_loop_everywhere(programs_per_sm: int, stages: int) -> dict:
     """Launch-table entries giving every row kernel a row loop on every device (launch.row_grid;
     row_quantize's launch has none and ignores it)."""
-    loop = dict(programs_per_sm=programs_per_sm, stages=stages, max_rows=2**62)
-    return {kernel: {owner: [dict(entry, row_loop=loop) for entry in entries]
-                     for owner, entries in launch._settings()[kernel].items()}
-            for kernel in launch.ROW_TABLES}
+    return every_entry_with(launch.ROW_TABLES, row_loop=dict(programs_per_sm=programs_per_sm, stages=stages,
+                                                             max_rows=2**62))
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,9 +375,7 @@ FOLDED_TABLES = ("modulated_norm", "residual_norm", "modulated_norm_fp8", "resid
 def folded_everywhere() -> dict:
     """Launch-table entries folding the reductions (fold_reductions) in every entry of the
     tables whose kernel takes it, on every device."""
-    return {kernel: {owner: [dict(entry, fold_reductions=True) for entry in entries]
-                     for owner, entries in launch._settings()[kernel].items()}
-            for kernel in FOLDED_TABLES}
+    return every_entry_with(FOLDED_TABLES, fold_reductions=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter check: on a GPU, the conformance run covers the tables' folds")

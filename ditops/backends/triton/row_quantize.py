@@ -9,7 +9,7 @@ is copied first."""
 import triton
 import triton.language as tl
 
-from .row_math import amax_bits, columns, load_rows, row_scale, row_tile, store_fp8
+from .row_math import columns, load_rows, row_amax_bits, row_scale, row_tile, store_fp8
 
 
 @triton.jit
@@ -47,13 +47,13 @@ def row_quantize_kernel(
                                                                      TAIL, ROWS_PER_PROGRAM)
     v = _activated(x, x_batch_stride, x_token_stride, batch, token, head, head_mask, GELU)
     v_tail = _activated(x, x_batch_stride, x_token_stride, batch, token, tail, tail_mask, GELU)
-    bits = tl.maximum(amax_bits(v), amax_bits(v_tail))
+    bits = row_amax_bits(v, v_tail, False)
     width = prefix_width + hidden
     if PREFIX:
         p_head, p_head_mask, p_tail, p_tail_mask = columns(tl.where(written, prefix_width, 0), PREFIX_BLOCK, PREFIX_TAIL)
         p = load_rows(prefix, batch, token, prefix_batch_stride, prefix_token_stride, p_head, p_head_mask)
         p_tail_values = load_rows(prefix, batch, token, prefix_batch_stride, prefix_token_stride, p_tail, p_tail_mask)
-        bits = tl.maximum(bits, tl.maximum(amax_bits(p), amax_bits(p_tail_values)))
+        bits = tl.maximum(bits, row_amax_bits(p, p_tail_values, False))
     scale = row_scale(bits, static_scale, FP8_MAX, HAS_STATIC_SCALE)
     inverse = 1.0 / scale
     out = y + row * width + prefix_width
