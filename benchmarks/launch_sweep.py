@@ -4,7 +4,7 @@ ditops/configs/triton_launch.yaml are chosen, and how to check them on another G
 
 Each setting replaces every row kernel's entries in the launch table for the run (num_warps,
 rows per program, a row loop of programs_per_sm x stages, 0x1 for none, and fold_reductions,
-1 for folded row reductions, which only the modulated-norm kernel takes), then the op is timed
+1 for folded row reductions, which the modulated-norm and select kernels take), then the op is timed
 through its public call with the Triton backend (its real call path; CUDA-graph replay
 over input sets larger than the L2 cache, as `ditops bench`), beside the launch table as it is
 and the same-size copy. A row loop runs only where the call's modulation is the same for every

@@ -369,13 +369,17 @@ def test_a_row_loop_changes_no_result(monkeypatch):
             assert conformance._bitwise_equal(a, b), (case.id, dtype)
 
 
-FOLDED_TABLES = ("modulated_norm", "residual_norm", "modulated_norm_fp8", "residual_norm_fp8")  # modulated_norm.py's
+FOLDED_TABLES = ("modulated_norm", "residual_norm", "modulated_norm_fp8", "residual_norm_fp8", "selected_modulation_norm",
+                 "selected_modulation_norm_fp8")  # the tables of the kernels that take FOLD
 
 
 def folded_everywhere() -> dict:
     """Launch-table entries folding the reductions (fold_reductions) in every entry of the
     tables whose kernel takes it, on every device."""
     return every_entry_with(FOLDED_TABLES, fold_reductions=True)
+
+
+FOLDED_OPS = ("norm_scale_shift", "residual_norm_scale_shift", "norm_scale_shift_select", "residual_norm_scale_shift_select")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter check: on a GPU, the conformance run covers the tables' folds")
@@ -396,7 +400,7 @@ def test_folded_reductions_meet_the_oracle(monkeypatch):
     failures = []
     with simulated_device("sm_90"), launch_table(**folded_everywhere()):
         for case in conformance.CASES:
-            for dtype in (torch.float32, torch.float16) if case.op in ("norm_scale_shift", "residual_norm_scale_shift") else ():
+            for dtype in (torch.float32, torch.float16) if case.op in FOLDED_OPS else ():
                 outcome = conformance.run_case(case, "triton", dtype, "cpu", automatic=False)
                 if outcome.status == "fail":
                     failures.append(f"{case.id} {dtype}: {outcome.detail}")

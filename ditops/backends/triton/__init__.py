@@ -157,7 +157,7 @@ def _selected_modulation_norm(x, residual, residual_gate, index, modulations, we
         QUANT=y_scale is not None, HAS_STATIC_SCALE=static_scale is not None, FP8_MAX=_fp8_max(y_scale, y),
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK=launch.block, TAIL=launch.tail, ROWS_PER_PROGRAM=launch.rows_per_program,
-        EARLY_LOADS=launch.early_loads, num_warps=launch.num_warps,
+        EARLY_LOADS=launch.early_loads, FOLD=launch.fold, num_warps=launch.num_warps,
     ))
 
 

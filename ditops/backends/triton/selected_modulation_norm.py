@@ -60,6 +60,7 @@ def selected_modulation_norm_kernel(
     QUANT: tl.constexpr, HAS_STATIC_SCALE: tl.constexpr, FP8_MAX: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr, TAIL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, EARLY_LOADS: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     # One block per program: the modulation is chosen per token, so a program looping over
     # blocks (modulated_norm.py) would have nothing to keep from one block to the next.
@@ -94,7 +95,7 @@ def selected_modulation_norm_kernel(
                                                         residual_gate, residual_gate_batch_stride,
                                                         residual_gate_token_stride, batch, token, tail, tail_mask)
         v_tail = store_rows(residual_out, row, hidden, previous_tail + gate_tail * v_tail, tail, tail_mask)
-    v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, False)
+    v, v_tail = normalize(v, v_tail, head_mask, tail_mask, hidden, eps, False, FOLD)
     if not EARLY_LOADS:
         m, a, chosen_gate = _terms(
             weight, bias, scale0, scale0_batch_stride, shift0, shift0_batch_stride, gate0, gate0_batch_stride,
@@ -111,7 +112,7 @@ def selected_modulation_norm_kernel(
             selected, batch, tail, tail_mask, HAS_WEIGHT, HAS_BIAS)
     if QUANT:  # the row's amax needs both tiles before either is stored
         store_quantized(y, y_scale, static_scale, row, hidden, out, v_tail * m_tail + a_tail, head, head_mask, tail,
-                        tail_mask, written, FP8_MAX, HAS_STATIC_SCALE)
+                        tail_mask, written, FP8_MAX, HAS_STATIC_SCALE, FOLD)
     else:
         store_rows(y, row, hidden, v_tail * m_tail + a_tail, tail, tail_mask)
     store_rows(gate_out, row, hidden, chosen_gate_tail, tail, tail_mask)
