@@ -285,12 +285,12 @@ def warmup(arguments) -> int:
     import time
 
     from . import kernel_cache
-    from .backends.compiled import all_instances
+    from .backends.compiled import all_instances, stream_instances
     from .backends.cuda import driver
 
     arch, load = _warmup_arch(arguments.arch)
     progress = _progress(arguments)
-    instances = all_instances()
+    instances = all_instances() + stream_instances()
     print(f"{len(instances)} CUDA kernel instances for {arch}; cache: {kernel_cache.cache_dir() or 'off (in memory)'}", flush=True)
 
     def prepare(instance) -> tuple:

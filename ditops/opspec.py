@@ -161,6 +161,7 @@ def _norm_scale_shift_features(op, x, scale, shift, weight, bias, norm, eps, mod
     extra = extra() if extra else {}
     if describe_call and x.numel():
         return describe((x,), (scale, shift, weight, bias, *extra.pop("params", ())), hidden_size=shape.hidden,
+                        affine=weight is not None or bias is not None,
                         batch_size=shape.batch, norm=norm, modulation=forms, **extra)
 
 
@@ -188,6 +189,7 @@ def _residual_norm_scale_shift_features(op, x, residual, gate, scale, shift, wei
     if describe_call and x.numel():
         return describe(
             (x, residual), (gate, scale, shift, weight, bias, *extra.pop("params", ())), hidden_size=shape.hidden,
+            affine=weight is not None or bias is not None,
             batch_size=shape.batch, norm=norm, modulation=forms, **extra,
         )
 
@@ -247,6 +249,7 @@ def _norm_scale_shift_select_features(op, x, index, scale0, shift0, gate0, scale
     if describe_call and x.numel():
         return describe(
             (x,), (*modulation.values(), weight, bias, *extra.pop("params", ())), hidden_size=shape.hidden,
+            affine=weight is not None or bias is not None,
             batch_size=shape.batch, norm="layer", modulation=("batch",) * 6, **extra,
         )
 
@@ -279,6 +282,7 @@ def _residual_norm_scale_shift_select_features(op, x, residual, residual_gate, i
         return describe(
             (x, residual),
             (residual_gate, *modulation.values(), weight, bias, *extra.pop("params", ())),
+            affine=weight is not None or bias is not None,
             hidden_size=shape.hidden, batch_size=shape.batch,
             norm="layer",
             modulation=("token",) + ("batch",) * 6,
@@ -318,6 +322,7 @@ def _check_add_gate_norm(x, branch, gate, weight, bias, norm, eps, gate_act, des
     shape, _, form = _gate_norm_arguments(op, x, branch, gate, weight, bias, norm, eps, gate_act)
     if describe_call and x.numel():
         return describe((x, branch), (gate, weight, bias), hidden_size=shape.hidden, batch_size=shape.batch, norm=norm,
+                        affine=weight is not None or bias is not None,
                         modulation=(form,))
 
 
@@ -334,6 +339,7 @@ def _add_gate_norm_scale_features(op, x, branch, gate, scale, weight, bias, weig
         return describe(
             (x, branch),
             (gate, scale, weight, bias, weight2, bias2, *extra.pop("params", ())),
+            affine=any(t is not None for t in (weight, bias, weight2, bias2)),
             hidden_size=shape.hidden, batch_size=shape.batch,
             norm=norm,
             modulation=(form, scale_form),
@@ -899,6 +905,17 @@ FP8_ROW_SPECS = {
                                           "nan-inf", "empty")},
     "static-saturating": RowSpec(2, 6, 512, static_scale=2e-3),
     **{name: spec for name, spec in ROW_SPECS.items() if name.startswith("table-")},
+    # long streams of rows without an affine, with a modulation per batch item (the calls of
+    # FLUX, Wan and HunyuanVideo, which the cuda backend's stream kernel takes on an H200):
+    # hundreds of rows a batch item, odd token counts, each launch class and a tail of D
+    "stream-wan-fp32-mod": RowSpec(1, 1301, 1536, "batch3", "batch3", param_dtype=torch.float32, affine=False),
+    "stream-three-items": RowSpec(3, 777, 3072, affine=False),
+    "stream-d1000-scalar-vector": RowSpec(2, 250, 1000, "scalar", "vector", affine=False),
+    "stream-d5120-rms": RowSpec(1, 1030, 5120, norm="rms", affine=False),
+    "stream-d4104-strided-x": RowSpec(2, 333, 4104, "vector", "batch", layout="strided", affine=False),
+    "stream-d2056-nan-inf": RowSpec(2, 40, 2056, special_values=True, affine=False),
+    "stream-static-saturating": RowSpec(2, 64, 3072, static_scale=2e-3, affine=False, param_dtype=torch.float32),
+    "stream-one-row": RowSpec(1, 1, 3072, affine=False),
 }
 
 # The select and sandwich-norm ops' FP8 forms: their bf16 cases of other widths and layouts,

@@ -23,7 +23,7 @@ from ditops.opspec import SPECS
 nvrtc = pytest.importorskip("ditops.backends.cuda.nvrtc")
 
 EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
-INSTANCES = compiled.all_instances()
+INSTANCES = compiled.all_instances() + compiled.stream_instances()
 SMOKE = (
     compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True),  # FLUX's norm, with an affine
     compiled.row_instance("modulated_norm", torch.bfloat16, torch.bfloat16, 3072, True, torch.float8_e4m3fn),  # its FP8 form
@@ -36,6 +36,8 @@ SMOKE = (
     compiled.rotary_token_norm_instance(torch.bfloat16, False, 5120, True),  # a LayerNorm per token
     compiled.rotary_token_norm_instance(torch.bfloat16, False, 4096, False, True),  # LTX-2's, a cos/sin row per head
     compiled.rotary_instance(torch.bfloat16, 128, False, True, False, True),  # LTX-2's rope_, a row per head
+    compiled.stream_instance(torch.bfloat16, torch.bfloat16, torch.float8_e4m3fn, False,  # FLUX's FP8 norm on an H200
+                             compiled._launch_settings()["modulated_norm_stream"]["H200"][1], 3072),
 )
 ARCHS = ("sm_80", "sm_89", "sm_90")
 # Instances per NVRTC program: on a CI machine gated_add_norm's took 0.37 s each compiled one per

@@ -24,6 +24,7 @@ import yaml
 from .. import kernel_cache
 from ..dispatch.signature import pointer_index
 from ..dispatch.contract import Kernel
+from ..dispatch.device import device_of
 from .views import modulation, rows_of, tokens_of
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc"
@@ -45,6 +46,7 @@ class Instance(NamedTuple):
     template_arguments: tuple
     block: int  # threads per block, also a template argument
     group: int  # threads per row (row kernels) or per head (rotary): a block holds block // group of them
+    shared: int = 0  # bytes of dynamic shared memory a block takes
 
     @property
     def name_expression(self) -> str:
@@ -113,6 +115,65 @@ def quantize_instance(dtype: torch.dtype, fp8_dtype: torch.dtype, gelu: bool, hi
     arguments = (C_TYPES[dtype], FP8_TYPES[fp8_dtype], "true" if gelu else "false", "true" if prefix else "false",
                  threads, chunks, block, min_blocks)
     return Instance("row_quantize.cu", "row_quantize", arguments, block, threads)
+
+
+NVIDIA_WARP = 32  # the stream kernel runs on NVIDIA alone (modulated_norm_stream.cu)
+STREAM_TYPES = (torch.float16, torch.bfloat16)  # its rows' dtypes
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+def stream_instance(dtype: torch.dtype, param_dtype: torch.dtype, fp8_dtype: torch.dtype, rms: bool, entry: dict,
+                    hidden: int) -> Instance:
+    """The modulated_norm_stream kernel (norm_scale_shift_fp8 on a persistent grid) of a launch
+    table entry for rows of D = hidden (rms: RMSNorm's instance): row_warps warps a row, each thread holding the chunks of 8
+    values that rows of up to max_hidden take (the instance for D of exactly that many: WHOLE);
+    its dynamic shared memory holds each of the block's row groups' ring of `stages` rows, and the
+    modulation where it is not held in registers."""
+    threads = entry["row_warps"] * NVIDIA_WARP
+    chunks = -(-entry["max_hidden"] // (CHUNK * threads))
+    in_registers, whole = entry["modulation_in_registers"], hidden == threads * chunks * CHUNK
+    arguments = (C_TYPES[dtype], C_TYPES[param_dtype], FP8_TYPES[fp8_dtype], "true" if rms else "false", entry["row_warps"],
+                 entry["groups"], chunks,
+                 entry["stages"], "true" if in_registers else "false", "true" if whole else "false", entry["blocks_per_sm"])
+    row_chunks = threads * chunks
+    shared = 16 * row_chunks * (entry["groups"] * entry["stages"] + (0 if in_registers else 4))
+    return Instance("modulated_norm_stream.cu", "modulated_norm_stream", arguments, threads * entry["groups"], threads, shared)
+
+
+def stream_entry(x: torch.Tensor, modulations: tuple, affine: bool, fp8_dtype: torch.dtype) -> Optional[dict]:
+    """The launch table's modulated_norm_stream entry for an FP8 norm call on x's device, or None
+    where there is none or the call is not one the kernel takes: 16-bit x, no norm weight or bias,
+    every modulation (views.modulation's tuple) one vector per batch item or one for all (no
+    stride over tokens), at most MAX_GRID_Y batch items, y in e4m3fn (NVIDIA's FP8 format)."""
+    shape = rows_of(x)
+    if x.dtype not in STREAM_TYPES or affine or shape.batch > MAX_GRID_Y or fp8_dtype != torch.float8_e4m3fn:
+        return None
+    if any(m[2] != 0 for m in modulations):  # group_stride: the modulation varies over tokens
+        return None
+    name = device_of(x.get_device()).name
+    for device, entries in _launch_settings().get("modulated_norm_stream", {}).items():
+        if device in name:
+            return next((entry for entry in entries if shape.hidden <= entry["max_hidden"]), None)
+    return None
+
+
+def stream_instances() -> list:
+    """Every instance of the stream kernel its launch table names (NVIDIA devices alone): per
+    entry, the one for rows of max_hidden values and the one for narrower rows."""
+    entries = [entry for table in _launch_settings().get("modulated_norm_stream", {}).values() for entry in table]
+    return list(dict.fromkeys(stream_instance(dtype, param_dtype, torch.float8_e4m3fn, rms, entry, hidden)
+                              for entry, dtype, param_dtype, rms in itertools.product(entries, STREAM_TYPES, C_TYPES, (False, True))
+                              for hidden in (entry["max_hidden"], entry["max_hidden"] - CHUNK)))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(t: torch.Tensor) -> int:
+    """SMs of t's GPU; one for a CPU tensor (a launch planned on a simulated device, in tests)."""
+    return _multiprocessors(t.device.index) if t.is_cuda else 1
 
 
 def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False,
@@ -365,6 +426,25 @@ class CompiledOps:
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
         return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, width])
 
+    def _stream(self, x, scale, shift, weight, bias, norm, eps, y, y_scale, static_scale) -> Optional[CompiledLaunch]:
+        """norm_scale_shift_fp8 on the stream kernel where its launch table takes the call (stream_entry):
+        blocks of `groups` row groups, all of one batch item (grid y): blocks_per_sm on every SM,
+        or fewer where that many groups would each take fewer rows than the fewest that as many
+        groups of a wave can take (so no group waits on another's extra row)."""
+        shape = rows_of(x)
+        if shape.batch * shape.tokens >= 2**31:
+            return None  # the kernel's 32-bit rows; modulated_norm refuses the call by name
+        modulations = (modulation(scale, shape.tokens), modulation(shift, shape.tokens))
+        entry = stream_entry(x, modulations, weight is not None or bias is not None, y.dtype)
+        if entry is None:
+            return None
+        resident = entry["blocks_per_sm"] * multiprocessors(x)
+        per_group = -(-shape.batch * shape.tokens // (resident * entry["groups"]))
+        blocks = min(-(-resident // shape.batch), -(-shape.tokens // per_group))
+        instance = stream_instance(x.dtype, _param_dtype(x, (scale, shift)), y.dtype, norm == "rms", entry, shape.hidden)
+        arguments = [_rows(x), *modulations, y, y_scale, static_scale, float(eps), shape.tokens, shape.hidden]
+        return CompiledLaunch(instance, (blocks, shape.batch, 1), arguments)
+
     def _modulated_norm(self, x, residual, gate, scale, shift, weight, bias, norm, eps, y, residual_out, y_scale=None,
                         static_scale=None):
         tokens = rows_of(x).tokens
@@ -383,6 +463,11 @@ class CompiledOps:
 
     def norm_scale_shift_fp8_launch(self, x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale,
                                     modulation_index, y, y_scale):
+        shape = rows_of(x)
+        if shape.batch * shape.tokens * shape.hidden and modulation_index is None:
+            stream = self._stream(x, scale, shift, weight, bias, norm, eps, y, y_scale, static_scale)
+            if stream is not None:
+                return stream
         return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None, y_scale, static_scale)
 
     def residual_norm_scale_shift_fp8_launch(self, x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype,

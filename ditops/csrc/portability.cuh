@@ -70,6 +70,34 @@ __device__ inline uint4 load_streaming(const uint4* address) { return __ldcs(add
 __device__ inline void store_streaming(uint4* address, const uint4& value) { __stcs(address, value); }
 __device__ inline float shuffle(float value, int source_lane) { return __shfl_sync(kAllLanes, value, source_lane); }
 
+// NVIDIA only, for modulated_norm_stream.cu (whose launch table has no AMD entries):
+// asynchronous 16-byte copies from global to shared memory (sm_80+), each waited for by the
+// thread that issued it; a barrier of `threads` threads of the block (id 1-15; 0 is
+// __syncthreads'); a shared-memory read the compiler may not hoist out of a loop.
+__device__ inline void copy_async_16(void* shared_target, const void* source) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(shared_target))), "l"(source) : "memory");
+}
+__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ inline void copy_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory"); }
+__device__ inline void named_barrier(int id, int threads) { asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory"); }
+// max(a, |b|) for a >= 0, NaN where either is NaN (max.NaN, sm_80+; NaN's bits as an unsigned
+// are above Inf's, as magnitude_max orders them): one instruction where magnitude_max takes two.
+__device__ inline float magnitude_max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(fabsf(b)));
+    return r;
+}
+// The largest of a warp's unsigned values, in every lane (redux.sync, sm_80+).
+__device__ inline unsigned warp_max(unsigned value) { return __reduce_max_sync(kAllLanes, value); }
+__device__ inline float4 load_shared_volatile(const float4* address) {
+    float4 r;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(address))));
+    return r;
+}
+
 using float16 = __half;
 using bfloat16 = __nv_bfloat16;
 __device__ inline float to_float(float16 value) { return __half2float(value); }

@@ -145,6 +145,11 @@ def layouts(wanted: list, f: Features) -> Reason:
         return f"supports RoPE layouts {wanted}, got {'interleaved' if f.interleaved else 'neox'}"
 
 
+def affine(wanted: bool, f: Features) -> Reason:
+    if f.affine and not wanted:
+        return "takes no norm weight or bias"
+
+
 def autograd(wanted: bool, f: Features) -> Reason:
     if f.requires_grad and not wanted:
         return "is forward-only and an input requires grad"
@@ -217,6 +222,7 @@ CHECKS: dict = {
         rope_caches,
         modulation,
         layouts,
+        affine,
         autograd,
         compiled_graph,
         needs_real_device,
@@ -295,6 +301,7 @@ VALUE_TYPES: dict = {
     "modulation": ("a list of modulation forms among scalar, vector, batch, token, frame, table",
                    _names_from("scalar", "vector", "batch", "token", "frame", "table")),
     "layouts": ("a list of RoPE layouts among interleaved, neox", _names_from("interleaved", "neox")),
+    "affine": _BOOLEAN,
     "autograd": _BOOLEAN,
     "compiled_graph": _BOOLEAN,
     "needs_real_device": _BOOLEAN,

@@ -35,6 +35,7 @@ class Features(NamedTuple):
     out_dtype_native: bool = True  # the device's hardware has that format (registry.yaml: fp8_formats)
     prefix_size: int = 0  # P of quantize_fp8's prefix, whose P columns come before x's D in each row; 0: none
     rope_cache: str = ""  # the RoPE ops' cos/sin cache: "shared" ([P, R]) or "per_head" (a row per head); "" for the norm ops
+    affine: bool = False  # a norm op's call has a norm weight or bias (weight2, bias2); False for the RoPE ops
 
 
 def describe(
@@ -52,6 +53,7 @@ def describe(
     out_dtype_native: bool = True,
     prefix_size: int = 0,
     rope_cache: str = "",
+    affine: bool = False,
 ) -> Features:
     """Features of a call; ``params`` may hold None for absent optional tensors."""
     # This runs on every eager call: each tensor attribute is read once, in one loop.
@@ -106,5 +108,6 @@ def describe(
         out_dtype_native,
         prefix_size,
         rope_cache,
+        affine,
     )
     return tuple.__new__(Features, fields)  # skips NamedTuple.__new__'s keyword handling: 3x faster

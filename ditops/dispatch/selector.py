@@ -305,6 +305,8 @@ def describe_features(f: Features) -> str:
     if f.hidden_size:
         parts.append(f"D={f.hidden_size - f.prefix_size}, P={f.prefix_size}" if f.prefix_size else f"D={f.hidden_size}")
         parts.append(f"norm={f.norm}")
+        if f.affine:
+            parts.append("with a norm weight or bias")
     if f.head_size:
         parts.append(f"Dh={f.head_size}, R={f.rotary_dim}, {'interleaved' if f.interleaved else 'neox'}")
         if f.rope_cache == "per_head":

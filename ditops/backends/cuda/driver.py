@@ -59,6 +59,14 @@ def _load(instance: Instance, device_index: int):
     _make_context_current(device_index)
     (module,) = _check(driver.cuModuleLoadData(binary), f"loading {instance.name_expression}")
     (function,) = _check(driver.cuModuleGetFunction(module, lowered), f"finding {instance.name_expression}")
+    attributes = driver.CUfunction_attribute
+    if instance.shared:
+        # past 48 KB with the static shared memory a launch needs the kernel's leave; its loads go to
+        # shared memory (cp.async.cg), not through L1: all of that memory as shared memory
+        _check(driver.cuFuncSetAttribute(function, attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, instance.shared),
+               f"{instance.name_expression}'s shared memory")
+        _check(driver.cuFuncSetAttribute(function, attributes.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
+               f"{instance.name_expression}'s carveout")
     return function
 
 
@@ -76,7 +84,7 @@ def bind(instance: Instance, device_index: int):
     from cuda.bindings import driver
 
     kernel = function(instance, device_index)
-    block = instance.block
+    block, shared = instance.block, instance.shared
     current_stream = torch._C._cuda_getCurrentRawStream
     launch_kernel = driver.cuLaunchKernel
     success = driver.CUresult.CUDA_SUCCESS
@@ -84,11 +92,11 @@ def bind(instance: Instance, device_index: int):
 
     def launch(grid: tuple, parameters: int) -> None:
         stream = current_stream(device_index)
-        result = launch_kernel(kernel, *grid, block, 1, 1, 0, stream, parameters, 0)
+        result = launch_kernel(kernel, *grid, block, 1, 1, shared, stream, parameters, 0)
         if result[0] != success:
             if result[0] in stale_context:  # a thread that never used this device, or another device's context
                 _make_context_current(device_index)
-                result = launch_kernel(kernel, *grid, block, 1, 1, 0, stream, parameters, 0)
+                result = launch_kernel(kernel, *grid, block, 1, 1, shared, stream, parameters, 0)
             _check(result, f"launching {instance.name_expression}")
 
     return launch

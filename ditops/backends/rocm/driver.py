@@ -60,7 +60,7 @@ def bind(instance: Instance, device_index: int):
     current_stream = torch._C._cuda_getCurrentRawStream
 
     def launch(grid: tuple, parameters: int) -> None:
-        result = hip.hipModuleLaunchKernel(kernel, *grid, block, 1, 1, 0, current_stream(device_index), parameters, None)
+        result = hip.hipModuleLaunchKernel(kernel, *grid, block, 1, 1, instance.shared, current_stream(device_index), parameters, None)
         _check(result, f"launching {instance.name_expression}")
 
     return launch
