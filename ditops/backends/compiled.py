@@ -125,16 +125,16 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 def stream_instance(dtype: torch.dtype, param_dtype: torch.dtype, fp8_dtype: torch.dtype, rms: bool, entry: dict,
                     hidden: int) -> Instance:
     """The modulated_norm_stream kernel (norm_scale_shift_fp8 on a persistent grid) of a launch
-    table entry for rows of D = hidden (rms: RMSNorm's instance): row_warps warps a row, each thread holding the chunks of 8
-    values that rows of up to max_hidden take (the instance for D of exactly that many: WHOLE);
-    its dynamic shared memory holds each of the block's row groups' ring of `stages` rows, and the
-    modulation where it is not held in registers."""
+    table entry for rows of D = hidden (rms: RMSNorm's instance): row_warps warps a row, each
+    thread holding the chunks of 8 values that rows of up to max_hidden take (the instance for D
+    of exactly that many: WHOLE); its dynamic shared memory holds each of the block's row groups'
+    ring of `stages` rows, and the modulation where it is not held in registers."""
     threads = entry["row_warps"] * NVIDIA_WARP
     chunks = -(-entry["max_hidden"] // (CHUNK * threads))
     in_registers, whole = entry["modulation_in_registers"], hidden == threads * chunks * CHUNK
-    arguments = (C_TYPES[dtype], C_TYPES[param_dtype], FP8_TYPES[fp8_dtype], "true" if rms else "false", entry["row_warps"],
-                 entry["groups"], chunks,
-                 entry["stages"], "true" if in_registers else "false", "true" if whole else "false", entry["blocks_per_sm"])
+    flag = {False: "false", True: "true"}
+    arguments = (C_TYPES[dtype], C_TYPES[param_dtype], FP8_TYPES[fp8_dtype], flag[rms], entry["row_warps"], entry["groups"],
+                 chunks, entry["stages"], flag[in_registers], flag[whole], entry["blocks_per_sm"])
     row_chunks = threads * chunks
     shared = 16 * row_chunks * (entry["groups"] * entry["stages"] + (0 if in_registers else 4))
     return Instance("modulated_norm_stream.cu", "modulated_norm_stream", arguments, threads * entry["groups"], threads, shared)
@@ -427,10 +427,10 @@ class CompiledOps:
         return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, width])
 
     def _stream(self, x, scale, shift, weight, bias, norm, eps, y, y_scale, static_scale) -> Optional[CompiledLaunch]:
-        """norm_scale_shift_fp8 on the stream kernel where its launch table takes the call (stream_entry):
-        blocks of `groups` row groups, all of one batch item (grid y): blocks_per_sm on every SM,
-        or fewer where that many groups would each take fewer rows than the fewest that as many
-        groups of a wave can take (so no group waits on another's extra row)."""
+        """norm_scale_shift_fp8 on the stream kernel where its launch table takes the call
+        (stream_entry): blocks of `groups` row groups, all of one batch item (grid y), enough to
+        keep blocks_per_sm on every SM, split over the batch items, but no more than give each
+        group rows (the kernel deals a batch item's rows to the blocks first, then their groups)."""
         shape = rows_of(x)
         if shape.batch * shape.tokens >= 2**31:
             return None  # the kernel's 32-bit rows; modulated_norm refuses the call by name
