@@ -15,6 +15,7 @@ import ditops
 from ditops import dispatch
 from ditops.dispatch import device as device_module
 from ditops.examples import HeadSpec, build, example_arguments
+from ditops.inputs import RowSpec
 from ditops.opspec import SPECS
 
 KERNEL_OPS = [op for op in dispatch.OPS if not SPECS[op].quantized]  # the toy registries have no rows for the FP8 ops
@@ -672,6 +673,34 @@ def test_fp8_ops_run_triton_on_nvidia_and_cuda_only_where_measured_faster_in_eag
                 assert traced.selected == "triton"
                 assert refusals_of(traced)["cuda"].startswith("leaves calls in a compiled graph")
                 assert ditops.explain(op, **arguments, compiled=True, backend="cuda").selected == "cuda"
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_the_fp8_norm_takes_cuda_on_an_h200_where_its_stream_kernel_was_measured(name):
+    """norm_scale_shift_fp8 (registry.yaml): cuda on the H200 in eager calls at D 1536, 3072 and
+    5120, without a norm weight or bias and with a modulation per batch item, the calls of the
+    stream kernel its rows were measured with; anything else keeps triton."""
+    if CUDA_REFUSAL:
+        pytest.skip(CUDA_REFUSAL)
+
+    def selected(hidden, compiled=False, **spec):
+        choices = set()
+        for tokens in (16, 333):  # never by token count
+            spec = dict(dict(affine=False), **spec)
+            arguments = build("norm_scale_shift_fp8", RowSpec(2, tokens, hidden, **spec), torch.bfloat16, "cpu",
+                              torch.Generator().manual_seed(0))
+            with _named("sm_90", name):
+                choices.add(ditops.explain("norm_scale_shift_fp8", **arguments, compiled=compiled).selected)
+        (choice,) = choices
+        return choice
+
+    measured = "cuda" if "H200" in name else "triton"
+    assert [selected(hidden) for hidden in (1536, 3072, 5120)] == [measured] * 3
+    assert selected(3072, scale="vector", shift="scalar") == measured
+    assert selected(3072, affine=True, param_dtype=torch.bfloat16) == "triton"
+    assert selected(3072, scale="token", shift="token") == "triton"
+    assert selected(4096) == "triton" and selected(2048) == "triton"  # widths not measured
+    assert selected(3072, compiled=True) == "triton"
 
 
 def test_a_preferred_backend_that_refuses_leaves_the_order_of_ops():
