@@ -173,11 +173,12 @@ def check(arguments) -> int:
     failures = []
     backends = conformance.backends()
     cases_by_op = defaultdict(list)
-    for case in conformance.CASES:
+    cases = conformance.CASES + (conformance.LONG_CASES if device.startswith("cuda") else [])  # long: GPU calls
+    for case in cases:
         cases_by_op[case.op].append(case)
-    total = len(backends) * len(conformance.CASES) * len(dtypes)
+    total = len(backends) * len(cases) * len(dtypes)
     done = 0
-    progress(f"check on {device}: {len(backends)} backends x {len(conformance.CASES)} cases x {len(dtypes)} dtypes = {total} runs")
+    progress(f"check on {device}: {len(backends)} backends x {len(cases)} cases x {len(dtypes)} dtypes = {total} runs")
     for backend in backends:
         unavailable = conformance.unavailable_reason(backend, device)
         if unavailable:

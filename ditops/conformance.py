@@ -53,16 +53,17 @@ class Outcome(NamedTuple):
     detail: str = ""
 
 
-def _cases() -> list:
-    """Each op's conformance inputs (ditops/opspec.py), built by its spec."""
+def _cases(which: str = "conformance") -> list:
+    """Each op's conformance inputs (ditops/opspec.py; ``which``: or its long_conformance), built by its spec."""
     return [
         Case(op, name, lambda dtype, device, g, spec=spec, inputs=inputs: spec.build(inputs, dtype, device, g))
         for op, spec in SPECS.items()
-        for name, inputs in spec.conformance.items()
+        for name, inputs in getattr(spec, which).items()
     ]
 
 
 CASES = _cases()
+LONG_CASES = _cases("long_conformance")  # checked on GPUs (OpSpec.long_conformance)
 
 
 # The oracle and the comparison.

@@ -58,6 +58,10 @@ class OpSpec:
     oracle: Optional[Callable] = None  # (named arguments, reference outputs, dtype, stored) -> the float64 expectation; None: the reference's
     intermediate: Optional[str] = None  # the result that ``oracle`` normalises as stored (``stored``: a backend's)
     conformance: Mapping = dataclasses.field(default_factory=dict)  # case name -> inputs
+    # case name -> inputs of calls long enough that each row group of a GPU's persistent grid
+    # loops over several rows (the cuda stream kernel's ring wraps): run on GPUs, apart from
+    # ``conformance``, whose every case Triton's interpreter also runs
+    long_conformance: Mapping = dataclasses.field(default_factory=dict)
     bench: tuple = ()  # BenchShape
     default_shape: tuple = ()  # ``ditops explain`` / ``example_arguments`` without a shape
     typical: Optional[Callable] = None  # (shape, param_dtype) -> the inputs of a DiT block's call at that shape
@@ -905,9 +909,12 @@ FP8_ROW_SPECS = {
                                           "nan-inf", "empty")},
     "static-saturating": RowSpec(2, 6, 512, static_scale=2e-3),
     **{name: spec for name, spec in ROW_SPECS.items() if name.startswith("table-")},
-    # long streams of rows without an affine, with a modulation per batch item (the calls of
-    # FLUX, Wan and HunyuanVideo, which the cuda backend's stream kernel takes on an H200):
-    # hundreds of rows a batch item, odd token counts, each launch class and a tail of D
+}
+
+# Long streams of rows without an affine, with a modulation per batch item (the calls of FLUX,
+# Wan and HunyuanVideo, which the cuda backend's stream kernel takes on an H200): hundreds of
+# rows a batch item, odd token counts, each launch class and a tail of D.
+FP8_LONG_ROW_SPECS = {
     "stream-wan-fp32-mod": RowSpec(1, 1301, 1536, "batch3", "batch3", param_dtype=torch.float32, affine=False),
     "stream-three-items": RowSpec(3, 777, 3072, affine=False),
     "stream-d1000-scalar-vector": RowSpec(2, 250, 1000, "scalar", "vector", affine=False),
@@ -1240,7 +1247,7 @@ _GATE_NORMS = dict(conformance=GATE_NORM_SPECS, bench=_GATE_NORM_BENCH, default_
 
 _FLUX_ROWS = BenchShape("FLUX.1-dev 1024px", f"B1 S{_JOINT} D3072", _rows(1, _JOINT, 3072))
 _FP8_NORM_BENCH = (_FLUX_ROWS,) + _NORM_BENCH + (_LATENCY_ROWS._replace(quick=True),)
-_FP8 = dict(quantized=True, conformance=FP8_ROW_SPECS, bench=_FP8_NORM_BENCH, **_NORMS)
+_FP8 = dict(quantized=True, conformance=FP8_ROW_SPECS, long_conformance=FP8_LONG_ROW_SPECS, bench=_FP8_NORM_BENCH, **_NORMS)
 _FP8_SELECTS = dict(_SELECTS, quantized=True, conformance=FP8_SELECT_SPECS)
 _FP8_GATE_NORMS = dict(_GATE_NORMS, quantized=True, conformance=FP8_GATE_NORM_SPECS)
 _QUANTIZE_BENCH = (

@@ -28,7 +28,7 @@ def main() -> int:
         settings = {**settings, "rotary": {**settings["rotary"], "streaming_stores": {"min_tokens": 0, "max_tokens": 2**62}}}
         compiled._launch_settings = lambda: settings
     counts = Counter()
-    for case in conformance.CASES:
+    for case in conformance.CASES + conformance.LONG_CASES:
         if arguments.ops and case.op not in arguments.ops:
             continue
         for dtype in (getattr(torch, name) for name in arguments.dtypes):

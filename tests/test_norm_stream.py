@@ -2,7 +2,7 @@
 taken by the cuda backend where compiled_launch.yaml's modulated_norm_stream table names the GPU
 and the call is one it serves. Which calls it takes, and its grid, are checked anywhere; its
 results on any sm_90 GPU (the H200's entries pointed at that GPU) against the float64
-oracle: the conformance cases named stream-* (every backend runs those too)."""
+oracle: the long conformance cases (conformance.LONG_CASES, which every backend runs on a GPU)."""
 
 import copy
 import dataclasses
@@ -17,11 +17,11 @@ from ditops.backends.views import modulation
 from ditops.dispatch import parse_arch, simulated_device
 from ditops.inputs import RowSpec
 from ditops.ops import OPS, ordered_arguments
-from ditops.opspec import FP8_ROW_SPECS, SPECS
+from ditops.opspec import FP8_LONG_ROW_SPECS, SPECS
 
 OP = "norm_scale_shift_fp8"
 H200 = compiled._launch_settings()["modulated_norm_stream"]["H200"]
-STREAM_CASES = [case for case in conformance.CASES if case.op == OP and case.name.startswith("stream-")]
+STREAM_CASES = [case for case in conformance.LONG_CASES if case.op == OP]
 ON_FP8_GPU = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                 reason="the H200's entries need an sm_90 GPU (FP8, and up to 160 KB of shared memory a block)")
 
@@ -44,7 +44,7 @@ def test_the_stream_kernel_takes_calls_with_a_modulation_per_batch_item_and_no_a
     assert len(STREAM_CASES) >= 8
     with _h200():
         for case in STREAM_CASES:
-            assert _launch(_on_cpu(FP8_ROW_SPECS[case.name])).instance.kernel == "modulated_norm_stream", case.id
+            assert _launch(_on_cpu(FP8_LONG_ROW_SPECS[case.name])).instance.kernel == "modulated_norm_stream", case.id
         refused = {"affine": RowSpec(1, 40, 3072), "token modulation": RowSpec(2, 7, 1000, "token", "token1", affine=False),
                    "per frame": RowSpec(1, 12, 256, "frame", "frame", affine=False), "wider": RowSpec(1, 4, 6144, affine=False),
                    "e4m3fnuz": RowSpec(1, 40, 3072, affine=False, fp8_dtype=torch.float8_e4m3fnuz)}

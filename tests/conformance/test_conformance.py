@@ -6,7 +6,7 @@ conftest.py). A backend that cannot run here, or refuses a case, is skipped with
 
 The interpreter takes seconds per case, so on the CPU the default run gives each Triton case
 one dtype, rotating float32, float16, bfloat16 over an op's cases: every case and, per op,
-every dtype still runs. The rest of the grid is marked ``exhaustive`` (``pytest -m
+every dtype still runs; the long cases (conformance.LONG_CASES) run on a GPU only. The rest of the grid is marked ``exhaustive`` (``pytest -m
 exhaustive``). On a GPU, and for every other backend, the whole grid runs by default.
 """
 
@@ -40,7 +40,8 @@ def _rotated_dtype(case) -> torch.dtype:
 
 def _grid() -> list:
     parameters = []
-    for case in conformance.CASES:
+    # the long cases on a GPU only: their rows would take the interpreter minutes
+    for case in conformance.CASES + (conformance.LONG_CASES if DEVICE == "cuda" else []):
         for backend in conformance.backends():
             for dtype in conformance.DTYPES:
                 beyond_rotation = INTERPRETED and backend == "triton" and dtype != _rotated_dtype(case)
