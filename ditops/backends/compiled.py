@@ -24,7 +24,7 @@ import yaml
 from .. import kernel_cache
 from ..dispatch.signature import pointer_index
 from ..dispatch.contract import Kernel
-from ..dispatch.device import device_of
+from ..dispatch.device import MAX_GRID_Y, device_of, multiprocessors, warp_size_of
 from .views import modulation, rows_of, tokens_of
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc"
@@ -117,9 +117,7 @@ def quantize_instance(dtype: torch.dtype, fp8_dtype: torch.dtype, gelu: bool, hi
     return Instance("row_quantize.cu", "row_quantize", arguments, block, threads)
 
 
-NVIDIA_WARP = 32  # the stream kernel runs on NVIDIA alone (modulated_norm_stream.cu)
-STREAM_TYPES = (torch.float16, torch.bfloat16)  # its rows' dtypes
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+STREAM_TYPES = (torch.float16, torch.bfloat16)  # the stream kernel's rows' dtypes
 
 
 def stream_instance(dtype: torch.dtype, param_dtype: torch.dtype, fp8_dtype: torch.dtype, rms: bool, entry: dict,
@@ -129,7 +127,7 @@ def stream_instance(dtype: torch.dtype, param_dtype: torch.dtype, fp8_dtype: tor
     thread holding the chunks of 8 values that rows of up to max_hidden take (the instance for D
     of exactly that many: WHOLE); its dynamic shared memory holds each of the block's row groups'
     ring of `stages` rows, and the modulation where it is not held in registers."""
-    threads = entry["row_warps"] * NVIDIA_WARP
+    threads = entry["row_warps"] * warp_size_of("cuda")  # the stream kernel runs on NVIDIA alone
     chunks = -(-entry["max_hidden"] // (CHUNK * threads))
     in_registers, whole = entry["modulation_in_registers"], hidden == threads * chunks * CHUNK
     flag = {False: "false", True: "true"}
@@ -164,16 +162,6 @@ def stream_instances() -> list:
     return list(dict.fromkeys(stream_instance(dtype, param_dtype, torch.float8_e4m3fn, rms, entry, hidden)
                               for entry, dtype, param_dtype, rms in itertools.product(entries, STREAM_TYPES, C_TYPES, (False, True))
                               for hidden in (entry["max_hidden"], entry["max_hidden"] - CHUNK)))
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def multiprocessors(t: torch.Tensor) -> int:
-    """SMs of t's GPU; one for a CPU tensor (a launch planned on a simulated device, in tests)."""
-    return _multiprocessors(t.device.index) if t.is_cuda else 1
 
 
 def rotary_instance(dtype: torch.dtype, head_size: int, interleaved: bool, streaming: bool = False,
@@ -426,20 +414,23 @@ class CompiledOps:
         grid = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
         return CompiledLaunch(instance, grid, arguments + [rows, shape.tokens, width])
 
-    def _stream(self, x, scale, shift, weight, bias, norm, eps, y, y_scale, static_scale) -> Optional[CompiledLaunch]:
+    def _stream(self, x, scale, shift, weight, bias, norm, eps, modulation_index, y, y_scale,
+                static_scale) -> Optional[CompiledLaunch]:
         """norm_scale_shift_fp8 on the stream kernel where its launch table takes the call
-        (stream_entry): blocks of `groups` row groups, all of one batch item (grid y), enough to
-        keep blocks_per_sm on every SM, split over the batch items, but no more than give each
-        group rows (the kernel deals a batch item's rows to the blocks first, then their groups)."""
+        (stream_entry; not empty, no modulation table), else None: blocks of `groups` row groups,
+        all of one batch item (grid y), enough to keep blocks_per_sm on every SM, split over the
+        batch items, but no more than give each group rows (the kernel deals a batch item's rows
+        to the blocks first, then their groups)."""
         shape = rows_of(x)
-        if shape.batch * shape.tokens >= 2**31:
-            return None  # the kernel's 32-bit rows; modulated_norm refuses the call by name
+        rows = shape.batch * shape.tokens
+        if modulation_index is not None or not rows * shape.hidden or rows >= 2**31:
+            return None  # >= 2^31: the kernel's 32-bit rows; modulated_norm refuses the call by name
         modulations = (modulation(scale, shape.tokens), modulation(shift, shape.tokens))
         entry = stream_entry(x, modulations, weight is not None or bias is not None, y.dtype)
         if entry is None:
             return None
         resident = entry["blocks_per_sm"] * multiprocessors(x)
-        per_group = -(-shape.batch * shape.tokens // (resident * entry["groups"]))
+        per_group = -(-rows // (resident * entry["groups"]))
         blocks = min(-(-resident // shape.batch), -(-shape.tokens // per_group))
         instance = stream_instance(x.dtype, _param_dtype(x, (scale, shift)), y.dtype, norm == "rms", entry, shape.hidden)
         arguments = [_rows(x), *modulations, y, y_scale, static_scale, float(eps), shape.tokens, shape.hidden]
@@ -463,12 +454,8 @@ class CompiledOps:
 
     def norm_scale_shift_fp8_launch(self, x, scale, shift, weight, bias, norm, eps, fp8_dtype, static_scale,
                                     modulation_index, y, y_scale):
-        shape = rows_of(x)
-        if shape.batch * shape.tokens * shape.hidden and modulation_index is None:
-            stream = self._stream(x, scale, shift, weight, bias, norm, eps, y, y_scale, static_scale)
-            if stream is not None:
-                return stream
-        return self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None, y_scale, static_scale)
+        return (self._stream(x, scale, shift, weight, bias, norm, eps, modulation_index, y, y_scale, static_scale)
+                or self._modulated_norm(x, None, None, scale, shift, weight, bias, norm, eps, y, None, y_scale, static_scale))
 
     def residual_norm_scale_shift_fp8_launch(self, x, residual, gate, scale, shift, weight, bias, norm, eps, fp8_dtype,
                                              static_scale, modulation_index, y, y_scale, residual_out):

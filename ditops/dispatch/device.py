@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import threading
 from dataclasses import dataclass
@@ -25,6 +26,20 @@ import torch
 def warp_size_of(vendor: str) -> int:
     """Threads that run in lockstep on a vendor's GPU: a warp (32) or an AMD wavefront (64)."""
     return 64 if vendor == "rocm" else 32
+
+
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(t: torch.Tensor) -> int:
+    """SMs of t's GPU; one for a CPU tensor (a launch planned on a simulated device: Triton's
+    interpreter, or the tests of a launch's grid), so that a persistent grid still has blocks."""
+    return _multiprocessors(t.device.index) if t.is_cuda else 1
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 import triton
 import yaml
 
-from ...dispatch.device import device_of, warp_size_of
+from ...dispatch.device import MAX_GRID_Y, device_of, multiprocessors, warp_size_of
 
 SETTINGS_FILE = Path(__file__).resolve().parents[2] / "configs" / "triton_launch.yaml"
 
@@ -101,9 +101,6 @@ class RowGrid(NamedTuple):
     stages: int
 
 
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
-
-
 def row_grid(launch: RowLaunch, x: torch.Tensor, batch: int, tokens: int, invariant: bool) -> RowGrid:
     """How a row kernel's programs cover batch x tokens rows. By default a program per block of
     rows_per_program tokens. Where the launch table gives the kernel a row loop on this device
@@ -120,17 +117,6 @@ def row_grid(launch: RowLaunch, x: torch.Tensor, batch: int, tokens: int, invari
         return RowGrid((blocks, batch), False, 1)
     programs = -(-launch.programs_per_sm * multiprocessors(x) // batch)
     return RowGrid((min(blocks, programs), batch), True, launch.stages)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def multiprocessors(t: torch.Tensor) -> int:
-    """SMs of t's GPU; one for a CPU tensor (Triton's interpreter on a simulated device), so that
-    a row loop runs over several blocks there."""
-    return _multiprocessors(t.device.index) if t.is_cuda else 1
 
 
 class RotaryLaunch(NamedTuple):
