@@ -33,11 +33,7 @@ def arch_of(device_index: int) -> str:
 def cubin(instance: Instance, arch: str) -> Binary:
     """The instance's cubin for arch, from the disk cache or compiled now."""
 
-    def compile_now() -> tuple:
-        compiled = nvrtc.compile_instance(instance, arch)
-        return compiled.cubin, compiled.lowered_name
-
-    return cached_binary("cuda", nvrtc.version(), arch, instance, compile_now)
+    return cached_binary("cuda", nvrtc.version(), arch, instance, lambda: nvrtc.code_of(instance, arch))
 
 
 def _make_context_current(device_index: int) -> None:

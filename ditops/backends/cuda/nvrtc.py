@@ -112,9 +112,9 @@ def ptxas_report(log: str, entry_names: Iterable[str]) -> tuple:
     return entries, others
 
 
-def compile_instances(instances: Sequence[Instance], arch: str) -> Program:
-    """Compiles instances of one source file together for arch ("sm_90") in one NVRTC program,
-    with each instance's registers, spills and stack as ptxas reports its entry function."""
+def _compile(instances: Sequence[Instance], arch: str, report: bool) -> tuple:
+    """(cubin, {instance: lowered name}, NVRTC's log, seconds) of instances of one source file
+    compiled together for arch; report: with ptxas' -v report in the log."""
     sources = {instance.source for instance in instances}
     if len(sources) != 1:
         raise ValueError(f"compile_instances takes instances of one source file, got {sorted(sources) or 'none'}")
@@ -127,7 +127,7 @@ def compile_instances(instances: Sequence[Instance], arch: str) -> Program:
     try:
         for instance in instances:
             _check(nvrtc.nvrtcAddNameExpression(program, instance.name_expression.encode()), "nvrtcAddNameExpression")
-        options = [f"--gpu-architecture={arch}", "-std=c++17", "-lineinfo", "-Xptxas=-v"]
+        options = [f"--gpu-architecture={arch}", "-std=c++17", "-lineinfo"] + (["-Xptxas=-v"] if report else [])
         options += [f"-I{folder}" for folder in include_folders()]
         names = "; ".join(instance.name_expression for instance in instances)
         _check(nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options]),
@@ -142,9 +142,15 @@ def compile_instances(instances: Sequence[Instance], arch: str) -> Program:
         log = _log(program)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
+    return cubin, lowered, log, time.perf_counter() - start
+
+
+def compile_instances(instances: Sequence[Instance], arch: str) -> Program:
+    """Compiles instances of one source file together for arch ("sm_90") in one NVRTC program,
+    with each instance's registers, spills and stack as ptxas reports its entry function."""
+    cubin, lowered, log, seconds = _compile(instances, arch, report=True)
     entries, others = ptxas_report(log, lowered.values())
-    return Program(cubin, lowered, {instance: entries[name] for instance, name in lowered.items()}, others,
-                   time.perf_counter() - start)
+    return Program(cubin, lowered, {instance: entries[name] for instance, name in lowered.items()}, others, seconds)
 
 
 def compile_instance(instance: Instance, arch: str) -> Compiled:
@@ -154,3 +160,12 @@ def compile_instance(instance: Instance, arch: str) -> Compiled:
     # Alone in its program, every other function ptxas reports is one the instance calls.
     return Compiled(program.cubin, program.lowered_names[instance], resources.registers,
                     resources.spill_bytes + sum(program.other_spills.values()), resources.stack_bytes, program.seconds)
+
+
+def code_of(instance: Instance, arch: str) -> tuple:
+    """(cubin, lowered name) of one instance for arch: the backend's compile, without ptxas'
+    report, which the code does not need and which NVRTC 13.0 left out of the log in a process
+    where torch had initialised CUDA before NVRTC's first call (an H200 host: every compile there
+    then failed the report's check)."""
+    cubin, lowered, _, _ = _compile([instance], arch, report=False)
+    return cubin, lowered[instance]
