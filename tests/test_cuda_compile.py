@@ -108,9 +108,8 @@ def test_a_batch_reports_each_instance_as_its_own_compile_does():
 
 def test_the_backend_compiles_without_ptxas_report(monkeypatch, tmp_path):
     """The backend's compile (driver.cubin, through the disk cache) asks ptxas for no report: NVRTC
-    13.0 left it out of the log in processes where torch had initialised CUDA before NVRTC's first
-    call (an H200 host), and the report's check then failed every compile. Its code is the same
-    (machine code) as the reported compile's."""
+    13.0 left it out of the log in some processes where torch had initialised CUDA (an H200 host),
+    and the report's check then failed the compile. Its machine code is the reported compile's."""
     from ditops.backends.cuda import driver
 
     instance = SMOKE[0]

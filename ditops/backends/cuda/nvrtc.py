@@ -164,8 +164,8 @@ def compile_instance(instance: Instance, arch: str) -> Compiled:
 
 def code_of(instance: Instance, arch: str) -> tuple:
     """(cubin, lowered name) of one instance for arch: the backend's compile, without ptxas'
-    report, which the code does not need and which NVRTC 13.0 left out of the log in a process
-    where torch had initialised CUDA before NVRTC's first call (an H200 host: every compile there
-    then failed the report's check)."""
+    report, which the code does not need and which NVRTC 13.0 left out of the log in some
+    processes where torch had initialised CUDA (on an H200 host: right after a first CUDA tensor,
+    and inside a CUDA graph capture), failing the report's check."""
     cubin, lowered, _, _ = _compile([instance], arch, report=False)
     return cubin, lowered[instance]
