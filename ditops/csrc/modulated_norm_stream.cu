@@ -135,7 +135,6 @@ __global__ void LAUNCH_BOUNDS(ROW_WARPS * kWarpSize * GROUPS, MIN_BLOCKS) modula
     static_assert(sizeof(T) == 2 && sizeof(Y) == 1, "16-bit rows to FP8 rows");
     static_assert(GROUPS <= 15 && STAGES >= 2, "a named barrier per group (16 per block, 0 is __syncthreads)");
     constexpr int ROW_THREADS = ROW_WARPS * kWarpSize, kRowChunks = ROW_THREADS * CHUNKS;
-    constexpr float kLargest = 3.40282347e38f;  // FLT_MAX: NaN and Inf are not at or below it
     extern __shared__ uint4 shared[];
     __shared__ float partials[GROUPS][3][ROW_WARPS];
     const int group = threadIdx.x / ROW_THREADS, lane = threadIdx.x % ROW_THREADS, batch = blockIdx.y;
@@ -210,9 +209,8 @@ __global__ void LAUNCH_BOUNDS(ROW_WARPS * kWarpSize * GROUPS, MIN_BLOCKS) modula
                 amax = magnitude_max_nan(amax, v[i][e]);
             }
         }
-        // as QuantizedRow::store (row_tile.cuh): the reference's scale bit for bit
         amax = reduce.magnitude_max(amax);
-        const float dynamic = amax <= kLargest ? fmaxf(amax, 1e-12f) / Y::kMax : __uint_as_float(0x7fc00000u);
+        const float dynamic = dynamic_row_scale<Y>(amax);  // as QuantizedRow::store: the reference's scale bit for bit
         const float row_scale = static_scale ? fixed_scale : dynamic;
         const float inverse = 1.0f / row_scale;
         const int row = batch * count + token;

@@ -228,6 +228,14 @@ __device__ inline void normalized_chunk(const Row<T, ROW_THREADS, CHUNKS>& row, 
     }
 }
 
+// A row's dynamic scale for FP8 format F from its amax: max(amax, 1e-12) / F::kMax, NaN for a
+// row holding NaN or Inf (amax NaN or Inf), so that all its values are NaN.
+template <typename F>
+__device__ inline float dynamic_row_scale(float amax) {
+    constexpr float kLargest = 3.40282347e38f;  // FLT_MAX: NaN and Inf are not at or below it
+    return amax <= kLargest ? fmaxf(amax, 1e-12f) / F::kMax : __uint_as_float(0x7fc00000u);
+}
+
 // A row's values on their way to FP8 format F (the *_fp8 ops): kept as float until the row's
 // amax is known, then stored as F's codes with one float32 scale per row, y ~= codes * scale.
 // backends/reference's _quantize_rows is the definition. As the Triton kernels'
@@ -243,12 +251,10 @@ struct QuantizedRow {
         for (int e = 0; e < kChunk; ++e) values[i][e] = chunk[e];
     }
 
-    // Dynamic (static_scale == nullptr): the scale is max(amax, 1e-12) / F::kMax, NaN for a row
-    // holding NaN or Inf, so that all its values are NaN; static: *static_scale. Values beyond
+    // Dynamic (static_scale == nullptr): dynamic_row_scale; static: *static_scale. Values beyond
     // +-F::kMax saturate (fp8_pair_bits). Every thread of the block must call this (group_magnitude_max).
     template <int BLOCK>
     __device__ void store(F* y, float* y_scale, const float* static_scale, const RowPosition& at, long long hidden) const {
-        constexpr float kLargest = 3.40282347e38f;  // FLT_MAX: NaN and Inf are not at or below it
         float scale;
         if (static_scale) {
             scale = *static_scale;
@@ -261,7 +267,7 @@ struct QuantizedRow {
                 for (int e = 0; e < kChunk; ++e) amax = magnitude_max(amax, values[i][e]);
             }
             amax = group_magnitude_max<ROW_THREADS, BLOCK>(amax);
-            scale = amax <= kLargest ? fmaxf(amax, 1e-12f) / F::kMax : __uint_as_float(0x7fc00000u);
+            scale = dynamic_row_scale<F>(amax);
         }
         const float inverse = 1.0f / scale;  // one division per row: an IEEE division per value costs more
 #pragma unroll
