@@ -704,7 +704,8 @@ _NORM_BENCH = (
     BenchShape("Wan2.1-1.3B 480p", "B1 S32760 D1536", _rows(1, 32760, 1536, **_WAN), quick=True),
     BenchShape("Wan2.1-14B 720p", "B1 S75600 D5120", _rows(1, 75600, 5120, **_WAN)),
     BenchShape("HunyuanVideo 720p", "B1 S118800 D3072", _rows(1, 118800, 3072)),
-    BenchShape("Qwen-Image 1024px", "B1 S4096 D3072", _rows(1, 4096, 3072, affine=True)),
+    # Qwen-Image's sizes with a norm weight and bias (its own norms have none): the affine form
+    BenchShape("affine LayerNorm at Qwen-Image 1024px", "B1 S4096 D3072", _rows(1, 4096, 3072, affine=True)),
     # each token's modulation a row of the block's table of K = 6 (timestep, modality) rows:
     # [K, D] chunks of one [K, 6 * D] tensor, read through one [S] index for the batch
     BenchShape("MiniMax-H3 (K=6 modulation tables)", "B1 S4096 D5376",
@@ -713,7 +714,8 @@ _NORM_BENCH = (
 )
 _LATENCY_ROWS = BenchShape("latency", "B1 S128 D3072", _rows(1, 128, 3072))
 _SELECT_BENCH = (
-    BenchShape("Qwen-Image-Edit 1024px", "B1 S8192 D3072", _rows(1, 8192, 3072, affine=True), quick=True),
+    BenchShape("affine LayerNorm at Qwen-Image-Edit 1024px", "B1 S8192 D3072", _rows(1, 8192, 3072, affine=True),
+               quick=True),
     _LATENCY_ROWS,
 )
 _GATE_NORM_BENCH = (

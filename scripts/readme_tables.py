@@ -33,12 +33,12 @@ MULTIGPU = {"H100x2": RESULTS / "multigpu_H100x2_2026-11-25.json", "H200x2": RES
 BENCH_FP8 = {"H100": RESULTS / "NVIDIA-H100-80GB-HBM3_2026-11-28.json", "H200": RESULTS / "NVIDIA-H200_2026-11-28.json"}
 FP8 = {"H100": RESULTS / "fp8_H100_2026-11-28.json", "H200": RESULTS / "fp8_H200_2026-11-29.json"}
 
-# The README's headline rows: per op, one real model shape (the `model` of a bench case).
+# The README's headline rows: per op, one model shape (the `model` of a bench case).
 HEADLINE = (
-    ("norm_scale_shift", "Qwen-Image 1024px"),
+    ("norm_scale_shift", "affine LayerNorm at Qwen-Image 1024px"),
     ("residual_norm_scale_shift", "Wan2.1-14B 720p"),
-    ("norm_scale_shift_select", "Qwen-Image-Edit 1024px"),
-    ("residual_norm_scale_shift_select", "Qwen-Image-Edit 1024px"),
+    ("norm_scale_shift_select", "affine LayerNorm at Qwen-Image-Edit 1024px"),
+    ("residual_norm_scale_shift_select", "affine LayerNorm at Qwen-Image-Edit 1024px"),
     ("add_gate_norm", "Z-Image-Turbo 1024px"),
     ("add_gate_norm_scale", "Z-Image-Turbo 1024px"),
     ("qk_norm_rope_", "FLUX.1-dev 1024px"),
