@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 from collections import Counter, defaultdict
 
 import torch
@@ -178,6 +179,7 @@ def check(arguments) -> int:
         cases_by_op[case.op].append(case)
     total = len(backends) * len(cases) * len(dtypes)
     done = 0
+    started = time.perf_counter()  # each op's line says when it began: a cold cache compiles every kernel
     progress(f"check on {device}: {len(backends)} backends x {len(cases)} cases x {len(dtypes)} dtypes = {total} runs")
     for backend in backends:
         unavailable = conformance.unavailable_reason(backend, device)
@@ -186,7 +188,8 @@ def check(arguments) -> int:
         for op, cases in cases_by_op.items():
             runs = len(cases) * len(dtypes)
             if not unavailable:
-                progress(f"  [{done + runs:5}/{total}] {backend} {op}: {len(cases)} cases x {len(dtypes)} dtypes")
+                progress(f"  [{done + runs:5}/{total}] {backend} {op}: {len(cases)} cases x {len(dtypes)} dtypes"
+                         f" ({time.perf_counter() - started:.0f} s in)")
             for case in cases:
                 for dtype in dtypes:
                     outcome = (
@@ -198,6 +201,7 @@ def check(arguments) -> int:
                     if outcome.status == "fail":
                         failures.append(f"{case.id} [{backend}, {str(dtype).removeprefix('torch.')}]: {outcome.detail}")
             done += runs
+    progress(f"check took {time.perf_counter() - started:.0f} s")
     print(f"conformance on {device}: every case x dtype against the float64 oracle\n")
     width = max(map(len, dispatch.OPS))
     print(f"{'op':<{width}}  " + "  ".join(f"{b:<22}" for b in backends))

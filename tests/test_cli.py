@@ -112,7 +112,8 @@ def test_check_prints_the_table_and_its_progress_on_stderr(capsys):
     assert "qk_norm_rope_" in out and " 0 fail " in out and " 1 fail " not in out
     backends, cases = len(cli.conformance.backends()), len(cli.conformance.CASES)
     assert f"{backends} backends x {cases} cases x 1 dtypes = {backends * cases} runs" in err
-    assert re.search(r"^  \[ *\d+/\d+\] reference rope_: \d+ cases x 1 dtypes$", err, re.MULTILINE), err
+    assert re.search(r"^  \[ *\d+/\d+\] reference rope_: \d+ cases x 1 dtypes \(\d+ s in\)$", err, re.MULTILINE), err
+    assert re.search(r"^check took \d+ s$", err, re.MULTILINE), err
     assert "check on" not in out  # progress stays off stdout
 
 
