@@ -55,7 +55,9 @@ class OpSpec:
     outputs: tuple = ()
     mutates: tuple = ()
     check_values: Optional[Callable] = None  # (*arguments) -> a plan's per-call check (arguments, pointers), ops.Plan
-    oracle: Optional[Callable] = None  # (named arguments, reference outputs, dtype, stored) -> the float64 expectation; None: the reference's
+    # (named arguments, reference outputs, dtype, stored) -> the float64 expectation, laid out as the
+    # outputs; of the outputs given it reads the intermediate alone. None: the reference's outputs
+    oracle: Optional[Callable] = None
     intermediate: Optional[str] = None  # the result that ``oracle`` normalises as stored (``stored``: a backend's)
     conformance: Mapping = dataclasses.field(default_factory=dict)  # case name -> inputs
     # case name -> inputs of calls long enough that each row group of a GPU's persistent grid
